@@ -1,0 +1,32 @@
+"""The ``lightning-memrl`` command: LightningCLI with ``fit``, ``validate``, ``test``, ``predict``."""
+
+from __future__ import annotations
+
+import warnings
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_memrl.data import MemRLDataModule
+from lightning_memrl.module import MemRLModule
+
+
+def build_cli(args: list[str] | None = None) -> LightningCLI:
+    """Parse ``args`` (default: ``sys.argv``) and run the chosen subcommand; returns the CLI."""
+    warnings.filterwarnings("ignore", message=r".*jsonargparse.*deprecat.*", category=DeprecationWarning)
+    return LightningCLI(
+        MemRLModule,
+        MemRLDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+def main() -> None:
+    """Run ``lightning-memrl SUBCOMMAND --config CONFIG.yaml [--key value ...]``."""
+    build_cli()
+
+
+if __name__ == "__main__":
+    main()

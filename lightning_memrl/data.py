@@ -1,0 +1,272 @@
+"""Tasks, a synthetic long-context memory task generator, and the ``MemRLDataModule``.
+
+A task is a question, a context (a list of chunks, or one long text the workflow cuts into
+chunks) and gold answers. Files are read through ``datasets`` (JSON, JSONL or Parquet); every
+row is checked before training and a bad one stops the run with its file, row and field.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Task:
+    """One question over a long context."""
+
+    question: str
+    context: list[str] | str  # chunks, or one text to cut into chunks of chunk_tokens
+    answers: list[str]
+    id: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class DataError(ValueError):
+    """A data row or file a user supplied cannot be used."""
+
+
+# --------------------------------------------------------------------------- synthetic tasks
+_NAMES = [
+    "Alice", "Bruno", "Chen", "Dara", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kemal",
+    "Lena", "Mateo", "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor",
+    "Wen", "Ximena", "Yusuf", "Zofia",
+]
+_FILLER = [
+    "The weather in the valley stayed mild for most of the season.",
+    "A delivery of fresh bread arrived at the market before noon.",
+    "The old library opened a new reading room on the second floor.",
+    "Several boats were repaired at the harbour during the week.",
+    "The choir practised a new song in the town hall.",
+    "Farmers reported a good harvest of apples and pears.",
+    "The museum added a small exhibit about early clocks.",
+    "A train from the north was delayed by heavy snow.",
+    "Children planted trees along the river path.",
+    "The bakery changed its opening hours for the holidays.",
+    "A local team won the regional chess tournament.",
+    "The bridge over the canal was painted blue.",
+]
+
+
+@dataclass
+class SyntheticTaskConfig:
+    """Knobs of the synthetic long-context memory tasks.
+
+    Args:
+        num_tasks: tasks to generate.
+        min_chunks: fewest chunks a task's context has.
+        max_chunks: most chunks a task's context has.
+        sentences_per_chunk: filler sentences in each chunk (length of a chunk).
+        distractor_facts: facts about other people hidden in the context.
+        hops: 1 = the answer is stated; 2 = the asked person "uses the same code as" another,
+            whose code is stated in another chunk.
+        seed: generator seed (a different seed gives disjoint held-out tasks).
+    """
+
+    num_tasks: int = 64
+    min_chunks: int = 2
+    max_chunks: int = 3
+    sentences_per_chunk: int = 2
+    distractor_facts: int = 2
+    hops: int = 1
+    seed: int = 0
+
+
+def generate_synthetic_tasks(config: SyntheticTaskConfig) -> list[Task]:
+    """Reproducible tasks: secret codes hidden among filler and distractors across chunks."""
+    if config.min_chunks < 1 or config.max_chunks < config.min_chunks:
+        raise DataError(f"synthetic: need 1 <= min_chunks <= max_chunks, got {config.min_chunks}, {config.max_chunks}")
+    if config.hops not in (1, 2):
+        raise DataError(f"synthetic: hops must be 1 or 2, got {config.hops}")
+    if config.distractor_facts + config.hops > len(_NAMES):
+        raise DataError(f"synthetic: at most {len(_NAMES) - config.hops} distractor_facts")
+    rng = random.Random(config.seed)
+    tasks = []
+    for index in range(config.num_tasks):
+        num_chunks = rng.randint(config.min_chunks, config.max_chunks)
+        chunks = [rng.sample(_FILLER, k=min(config.sentences_per_chunk, len(_FILLER))) for _ in range(num_chunks)]
+        people = rng.sample(_NAMES, k=config.hops + config.distractor_facts)
+        code = f"{rng.randint(1000, 9999)}"
+        target = people[0]
+        facts = []
+        if config.hops == 1:
+            facts.append(f"The secret code of {target} is {code}.")
+        else:
+            facts.append(f"{target} uses the same secret code as {people[1]}.")
+            facts.append(f"The secret code of {people[1]} is {code}.")
+        for other in people[config.hops :]:
+            facts.append(f"The secret code of {other} is {rng.randint(1000, 9999)}.")
+        evidence = []
+        for i, fact in enumerate(facts):
+            chunk = rng.randrange(num_chunks)
+            chunks[chunk].insert(rng.randint(0, len(chunks[chunk])), fact)
+            if i < config.hops:
+                evidence.append(chunk)
+        tasks.append(
+            Task(
+                question=f"What is the secret code of {target}?",
+                context=[" ".join(c) for c in chunks],
+                answers=[code],
+                id=f"synthetic-{config.seed}-{index}",
+                meta={"evidence_chunks": sorted(evidence), "num_chunks": num_chunks},
+            )
+        )
+    return tasks
+
+
+def synthetic_corpus() -> Iterator[str]:
+    """Text that covers the synthetic tasks and prompts (trains the tiny test tokenizer)."""
+    for hops in (1, 2):
+        for task in generate_synthetic_tasks(SyntheticTaskConfig(num_tasks=100, hops=hops, seed=hops)):
+            yield task.question
+            yield from task.context
+    yield "Problem Memory Section Question Answer No previous memory. \\boxed{} Update the memory."
+    yield "0123456789 {}[]()<>.,;:!?'\"-_/\\ system user assistant"
+
+
+# --------------------------------------------------------------------------- files
+def _check_row(row: dict[str, Any], index: int, source: str, fields: dict[str, str]) -> Task:
+    """Turn one raw row into a Task or raise an error naming the file, row and field."""
+
+    def fail(key: str, problem: str) -> DataError:
+        return DataError(
+            f"{source}: row {index}: field '{fields[key]}' {problem}. Fix the row, or map the "
+            f"field with --data.init_args.field_map (e.g. {{'{key}': 'your_column'}})."
+        )
+
+    for key in ("question", "context", "answers"):
+        if fields[key] not in row or row[fields[key]] is None:
+            raise fail(key, "is missing")
+    question, context, answers = (row[fields[k]] for k in ("question", "context", "answers"))
+    if not isinstance(question, str) or not question.strip():
+        raise fail("question", f"must be a non-empty string, got {type(question).__name__} {question!r:.40}")
+    if isinstance(context, str):
+        if not context.strip():
+            raise fail("context", "is empty")
+    elif isinstance(context, list) and context and all(isinstance(c, str) for c in context):
+        if not any(c.strip() for c in context):
+            raise fail("context", "has only empty chunks")
+    else:
+        raise fail("context", "must be a string or a non-empty list of strings")
+    if isinstance(answers, (str, int, float)) and not isinstance(answers, bool):
+        answers = [str(answers)]
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, (str, int, float)) for a in answers):
+        raise fail("answers", "must be a string or a non-empty list of strings")
+    answers = [str(a) for a in answers]
+    if not any(a.strip() for a in answers):
+        raise fail("answers", "has only empty answers")
+    task_id = str(row.get(fields["id"], f"{Path(source).name}:{index}"))
+    return Task(question=question, context=context, answers=answers, id=task_id)
+
+
+def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> list[Task]:
+    """Read tasks from a JSON, JSONL or Parquet file and check every row.
+
+    Args:
+        path: the file.
+        field_map: maps ``question``/``context``/``answers``/``id`` to the file's column names.
+
+    Raises:
+        DataError: unreadable or empty file, or a row with a missing/empty/mistyped field.
+    """
+    path = Path(path)
+    fields = {"question": "question", "context": "context", "answers": "answers", "id": "id"}
+    unknown = set(field_map or {}) - set(fields)
+    if unknown:
+        raise DataError(f"field_map: unknown keys {sorted(unknown)}; allowed: {sorted(fields)}")
+    fields.update(field_map or {})
+    if not path.is_file():
+        raise DataError(f"{path}: no such file. Pass an existing JSON, JSONL or Parquet file.")
+    suffix = path.suffix.lower()
+    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(suffix)
+    if builder is None:
+        raise DataError(f"{path}: unsupported extension {suffix!r}; use .json, .jsonl or .parquet")
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:  # datasets raises many types for unreadable files
+        raise DataError(f"{path}: cannot read as {suffix[1:]}: {err}") from err
+    if len(rows) == 0:
+        raise DataError(f"{path}: the file has no rows")
+    return [_check_row(row, i, str(path), fields) for i, row in enumerate(rows)]
+
+
+def _collate(tasks: list[Task]) -> list[Task]:
+    return tasks
+
+
+class MemRLDataModule(L.LightningDataModule):
+    """Training and validation tasks from files or from the synthetic generator.
+
+    Args:
+        train_path: JSON/JSONL/Parquet file of training tasks; None uses ``synthetic``.
+        val_path: file of validation tasks; None uses ``synthetic_val``.
+        field_map: maps ``question``, ``context``, ``answers``, ``id`` to column names.
+        synthetic: generator settings of training tasks when ``train_path`` is None.
+        synthetic_val: generator settings of validation tasks when ``val_path`` is None (use a
+            different seed from training).
+        batch_size: tasks per training step (each is rolled out ``group_size`` times).
+        val_batch_size: tasks per validation step.
+        num_workers: DataLoader workers.
+        seed: shuffling seed.
+    """
+
+    def __init__(
+        self,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        field_map: dict[str, str] | None = None,
+        synthetic: SyntheticTaskConfig | None = None,
+        synthetic_val: SyntheticTaskConfig | None = None,
+        batch_size: int = 2,
+        val_batch_size: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.train_path, self.val_path, self.field_map = train_path, val_path, field_map
+        self.synthetic = synthetic or SyntheticTaskConfig()
+        self.synthetic_val = synthetic_val or SyntheticTaskConfig(num_tasks=16, seed=self.synthetic.seed + 1000)
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size
+        self.num_workers, self.seed = num_workers, seed
+        self.train_tasks: list[Task] = []
+        self.val_tasks: list[Task] = []
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load (and check) the tasks once."""
+        if not self.train_tasks:
+            self.train_tasks = (
+                load_tasks(self.train_path, self.field_map) if self.train_path else generate_synthetic_tasks(self.synthetic)
+            )
+        if not self.val_tasks:
+            self.val_tasks = (
+                load_tasks(self.val_path, self.field_map) if self.val_path else generate_synthetic_tasks(self.synthetic_val)
+            )
+        log.info("tasks: %d train, %d validation", len(self.train_tasks), len(self.val_tasks))
+
+    def train_dataloader(self) -> DataLoader:
+        import torch
+
+        return DataLoader(
+            self.train_tasks, batch_size=self.batch_size, shuffle=True, collate_fn=_collate,
+            num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed), drop_last=True,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_tasks, batch_size=self.val_batch_size, collate_fn=_collate, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

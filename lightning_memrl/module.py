@@ -1,0 +1,475 @@
+"""``MemRLModule``: the policy, its frozen reference and the memory workflow, trained by GRPO.
+
+One training step (``training_step``):
+
+(a) repeat each task ``group_size`` times → (b) :meth:`rollout` (the workflow's batched turns)
+→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` → (e)
+:meth:`compute_advantages` per trajectory, broadcast to every token of its turns → (f) callbacks'
+``on_advantages`` → (g) :meth:`update`: ``ppo_epochs`` passes over token-budgeted micro-batches
+of :meth:`policy_loss`, gradient clipping, optimizer and LR-scheduler steps → (h) metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from lightning_memrl import grpo
+from lightning_memrl.data import Task
+from lightning_memrl.models import LoraSettings, load_policy, load_tokenizer
+from lightning_memrl.rewards import ExactMatch, RewardFunction, TokenF1, answer_from_completion, exact_match, token_f1
+from lightning_memrl.rollout import GenerationSettings, RolloutEngine
+from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO options, named as TRL and verl users know them.
+
+    Args:
+        group_size: rollouts per task (``num_generations``).
+        scale_rewards: ``group`` (GRPO), ``batch`` or ``none`` (Dr. GRPO).
+        advantage_eps: added to the std when scaling rewards.
+        loss_aggregation: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO),
+            ``seq_mean_token_sum_norm`` (Dr. GRPO) or ``rollout_mean`` (every trajectory alike).
+        clip_low: lower ratio clip ε_low.
+        clip_high: upper ratio clip ε_high (clip-higher: DAPO uses 0.28).
+        dual_clip: dual-clip constant c (> 1) for negative advantages; None disables it.
+        kl_coef: weight β of the KL penalty; 0 loads and runs no reference model.
+        kl_estimator: ``k1``, ``k3`` or ``low_var_kl``.
+        entropy_coef: weight of an entropy bonus (subtracted from the loss).
+        ppo_epochs: optimisation passes over each rollout batch (one optimizer step each).
+        micro_batch_tokens: padded tokens per forward/backward micro-batch.
+        max_grad_norm: gradient clipping norm (0 disables).
+    """
+
+    group_size: int = 4
+    scale_rewards: grpo.ScaleRewards = "group"
+    advantage_eps: float = 1e-4
+    loss_aggregation: grpo.LossAggregation = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: grpo.KLEstimator = "low_var_kl"
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW with linear warm-up then constant or cosine decay.
+
+    Args:
+        lr: peak learning rate (LoRA wants ~10x a full fine-tune's).
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: optimizer steps of linear warm-up.
+        schedule: ``constant`` or ``cosine`` (decays to 10% over the trainer's ``max_steps``).
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: str = "constant"
+
+
+def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Split row indices into micro-batches whose padded size stays within ``token_budget``.
+
+    Rows are sorted by length so rows of similar length share a micro-batch (less padding). A row
+    longer than the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * max(lengths[j] for j in current + [i]) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class MemRLModule(L.LightningModule):
+    """GRPO training of a memory agent.
+
+    Args:
+        model_name_or_path: policy as a hub id or local path, or ``tiny`` (random, offline).
+        dtype: weight dtype: ``float32``, ``bfloat16`` or ``float16``. For bf16 compute with fp32
+            master weights keep ``float32`` and set ``trainer.precision: bf16-mixed``.
+        attn_implementation: ``auto`` (flash_attention_2 on CUDA when installed, else sdpa),
+            ``sdpa``, ``eager``, ...
+        lora: LoRA adapter settings; None trains every weight.
+        gradient_checkpointing: recompute activations in the backward pass.
+        workflow: how tasks become trajectories (default: MemAgent).
+        rewards: reward functions, summed with their weights (default: exact match).
+        generation: sampling settings of training rollouts.
+        val_max_new_tokens: answer cap of greedy validation rollouts (default: generation's).
+        grpo: GRPO options.
+        optimizer: optimizer and schedule.
+        seed: seed of the ``tiny`` model's weights.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "tiny",
+        dtype: str = "float32",
+        attn_implementation: str = "auto",
+        lora: LoraSettings | None = None,
+        gradient_checkpointing: bool = False,
+        workflow: Workflow | None = None,
+        rewards: list[RewardFunction] | None = None,
+        generation: GenerationSettings | None = None,
+        val_max_new_tokens: int | None = None,
+        grpo: GRPOSettings | None = None,
+        optimizer: OptimizerSettings | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.model_name_or_path, self.dtype_name = model_name_or_path, dtype
+        self.attn_implementation, self.lora = attn_implementation, lora
+        self.gradient_checkpointing, self.seed = gradient_checkpointing, seed
+        self.workflow = workflow or MemAgentWorkflow()
+        self.reward_functions = rewards or [ExactMatch()]
+        self.generation = generation or GenerationSettings()
+        self.val_max_new_tokens = val_max_new_tokens
+        self.grpo = grpo or GRPOSettings()
+        self.optim = optimizer or OptimizerSettings()
+        names = [r.name for r in self.reward_functions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model.rewards: reward names must be unique, got {names}; set name: on each")
+        if self.grpo.group_size < 1 or self.grpo.ppo_epochs < 1:
+            raise ValueError("model.grpo: group_size and ppo_epochs must be >= 1")
+        self.policy: Any = None
+        self.tokenizer: Any = None
+        self.engine: RolloutEngine | None = None
+        self._reference: Any = None  # not a registered submodule: kept out of checkpoints
+        self.val_exact_match, self.val_f1, self.val_reward = MeanMetric(), MeanMetric(), MeanMetric()
+
+    # ------------------------------------------------------------------ models
+    def configure_model(self) -> None:
+        """Load tokenizer, policy and (only when ``kl_coef > 0`` and no LoRA) the reference.
+
+        Idempotent: Lightning calls it for every fit/validate/test/predict.
+        """
+        if self.policy is not None:
+            return
+        self.tokenizer = load_tokenizer(self.model_name_or_path)
+        self.policy = load_policy(
+            self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation,
+            self.lora, self.gradient_checkpointing, self.seed,
+        )
+        if self.grpo.kl_coef > 0 and self.lora is None:
+            reference = load_policy(self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation, seed=self.seed)
+            reference.eval().requires_grad_(False)
+            self._reference = reference
+        self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
+        self.engine = RolloutEngine(self.policy, self.tokenizer)
+
+    def reference_context(self) -> Any:
+        """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
+        return self.policy.disable_adapter() if self.lora is not None else nullcontext()
+
+    # ------------------------------------------------------------------ (b) (c) (e) overridable steps
+    def rollout(self, tasks: list[Task], settings: GenerationSettings) -> RolloutBatch:
+        """Run the workflow on ``tasks`` (group members already repeated) and flatten the turns."""
+        was_training = self.policy.training
+        self.policy.eval()
+        use_cache = self.policy.config.use_cache
+        self.policy.config.use_cache = True
+        try:
+            trajectories = self.workflow.rollout(self.engine, tasks, settings)
+        finally:
+            self.policy.config.use_cache = use_cache
+            self.policy.train(was_training)
+        return RolloutBatch.from_trajectories(trajectories, self.grpo.group_size, self.engine.pad_id)
+
+    def score(self, rollouts: RolloutBatch) -> None:
+        """Fill ``rollouts.rewards`` [N] (weighted sum) and ``reward_components`` (name → [N]).
+
+        A trajectory that every reward function leaves unscored (None) gets NaN.
+        """
+        components = {r.name: torch.full((rollouts.num_trajectories,), math.nan) for r in self.reward_functions}
+        total = torch.full((rollouts.num_trajectories,), math.nan)
+        for i, trajectory in enumerate(rollouts.trajectories):
+            for fn in self.reward_functions:
+                value = fn(trajectory.final_text, trajectory.task.answers)
+                if value is None:
+                    continue
+                components[fn.name][i] = float(value)
+                total[i] = (0.0 if math.isnan(total[i]) else total[i]) + fn.weight * float(value)
+        rollouts.rewards, rollouts.reward_components = total, components
+
+    def compute_advantages(self, rollouts: RolloutBatch) -> Tensor:
+        """One advantage per trajectory ([N]) from ``rollouts.rewards`` by group statistics."""
+        return grpo.group_advantages(
+            rollouts.rewards, rollouts.group_size, self.grpo.scale_rewards, self.grpo.advantage_eps
+        )
+
+    # ------------------------------------------------------------------ log-probs and loss
+    def sequence_logprobs(
+        self, model: Any, prompts: list[list[int]], response_ids: Tensor, response_mask: Tensor, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs of ``response_ids`` [B, R] after their prompts, under ``logits / temperature``.
+
+        Rows are laid out ``[pad… prompt][response pad…]`` so every response ends inside the last
+        ``R`` positions; only those positions reach the LM head (``logits_to_keep``).
+        """
+        device = self.device
+        width = max(len(p) for p in prompts)
+        batch, resp_len = response_ids.shape
+        input_ids = torch.full((batch, width + resp_len), self.engine.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) : width] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, width - len(prompt) : width] = 1
+        input_ids[:, width:] = response_ids
+        attention[:, width:] = response_mask
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device), position_ids=position_ids.to(device),
+            logits_to_keep=resp_len + 1, use_cache=False,
+        )
+        logits = out.logits[:, :-1].float()  # [B, R, V]: position t predicts response token t
+        temperature = self.generation.temperature if self.generation.temperature > 0 else 1.0
+        logits = logits / temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
+        entropy = grpo.entropy_from_logits(logits.detach() if self.grpo.entropy_coef == 0 else logits) if with_entropy else None
+        return logprobs, entropy
+
+    def policy_loss(
+        self,
+        logprobs: Tensor,  # [B, R]
+        old_logprobs: Tensor,  # [B, R]
+        ref_logprobs: Tensor | None,  # [B, R]
+        advantages: Tensor,  # [B, R]
+        weights: Tensor,  # [B, R] aggregation weights over the whole batch
+        entropy: Tensor | None,  # [B, R]
+        mask: Tensor,  # [B, R]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped surrogate + β·KL − entropy bonus, aggregated by ``weights``.
+
+        Returns the micro-batch's share of the batch loss and sums for metrics.
+        """
+        g = self.grpo
+        token_loss, clipped, dual_clipped = grpo.clipped_surrogate(
+            logprobs, old_logprobs, advantages, g.clip_low, g.clip_high, g.dual_clip
+        )
+        stats = {"clip_frac": (clipped & mask).sum(), "dual_clip_frac": (dual_clipped & mask).sum()}
+        if ref_logprobs is not None and g.kl_coef > 0:
+            kl = grpo.kl_penalty(logprobs, ref_logprobs, g.kl_estimator)
+            token_loss = token_loss + g.kl_coef * kl
+            stats["kl"] = (kl.detach() * mask).sum()
+        if entropy is not None:
+            if g.entropy_coef:
+                token_loss = token_loss - g.entropy_coef * entropy
+            stats["entropy"] = (entropy.detach() * mask).sum()
+        loss = (token_loss * weights).sum()
+        return loss, stats
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: list[Task], batch_idx: int) -> None:
+        """One GRPO step (see the module docstring for the phases)."""
+        step_start = time.perf_counter()
+        tasks = [task for task in batch for _ in range(self.grpo.group_size)]  # (a)
+        rollouts = self.rollout(tasks, self.generation)  # (b)
+        rollout_time = time.perf_counter() - step_start
+        self.score(rollouts)  # (c)
+        for callback in self._memrl_callbacks():  # (d)
+            callback.on_rewards(self.trainer, self, rollouts)
+        shaped = rollouts.rewards.clone()
+        shaped.index_add_(0, rollouts.turn_to_trajectory, rollouts.turn_rewards)
+        rollouts.rewards = shaped
+        rollouts.trajectory_advantages = self.compute_advantages(rollouts)  # (e) per trajectory
+        per_turn = rollouts.trajectory_advantages[rollouts.turn_to_trajectory]  # [M] broadcast
+        rollouts.advantages = per_turn.unsqueeze(-1) * rollouts.response_mask  # [M, T]
+        for callback in self._memrl_callbacks():  # (f)
+            callback.on_advantages(self.trainer, self, rollouts)
+        update_start = time.perf_counter()
+        update_stats = self.update(rollouts)  # (g)
+        update_time = time.perf_counter() - update_start
+        self._log_step(rollouts, update_stats, rollout_time, update_time, time.perf_counter() - step_start)  # (h)
+
+    def update(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """``ppo_epochs`` optimizer steps over token-budgeted micro-batches of the rollouts."""
+        g = self.grpo
+        opt = self.optimizers()
+        scheduler = self.lr_schedulers()
+        mask = rollouts.response_mask.bool()
+        weights = grpo.loss_token_weights(
+            rollouts.response_mask, rollouts.turn_to_trajectory, g.loss_aggregation,
+            self.workflow.max_response_tokens(self.generation),
+        )
+        lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
+        batches = micro_batches(lengths, g.micro_batch_tokens)
+
+        def rows(idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:
+            width = int(rollouts.response_mask[idx].sum(-1).max())  # trim shared padding
+            return [rollouts.prompt_ids[i] for i in idx], rollouts.response_ids[idx, :width], rollouts.response_mask[idx, :width]
+
+        need_old = g.ppo_epochs > 1
+        need_ref = g.kl_coef > 0
+        old_lp: dict[int, Tensor] = {}
+        ref_lp: dict[int, Tensor] = {}
+        ref_time = 0.0
+        if need_old or need_ref:
+            start = time.perf_counter()
+            with torch.no_grad():
+                for b, idx in enumerate(batches):
+                    prompts, ids, m = rows(idx)
+                    if need_old:
+                        old_lp[b] = self.sequence_logprobs(self.policy, prompts, ids, m)[0]
+                    if need_ref:
+                        if self._reference is not None:
+                            self._reference.to(self.device)
+                            ref_lp[b] = self.sequence_logprobs(self._reference, prompts, ids, m)[0]
+                        else:
+                            with self.reference_context():
+                                ref_lp[b] = self.sequence_logprobs(self.policy, prompts, ids, m)[0]
+            ref_time = time.perf_counter() - start
+        sums: dict[str, float] = {}
+        loss_total, grad_norm = 0.0, 0.0
+        logprob_gap = 0.0
+        for epoch in range(g.ppo_epochs):
+            for b, idx in enumerate(batches):
+                prompts, ids, m = rows(idx)
+                width = ids.shape[1]
+                logprobs, entropy = self.sequence_logprobs(self.policy, prompts, ids, m, with_entropy=True)
+                m_dev = m.to(self.device).bool()
+                old = old_lp[b] if need_old else logprobs.detach()
+                if epoch == 0:  # how far the trainer's log-probs are from the sampler's
+                    rollout_lp = rollouts.rollout_logprobs[idx, :width].to(self.device)
+                    logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
+                loss, stats = self.policy_loss(
+                    logprobs, old, ref_lp.get(b), rollouts.advantages[idx, :width].to(self.device),
+                    weights[idx, :width].to(self.device), entropy, m_dev,
+                )
+                self.manual_backward(loss)
+                loss_total += float(loss.detach())
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            if g.max_grad_norm > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.policy.parameters() if p.requires_grad], g.max_grad_norm
+                ))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+        tokens = float(mask.sum()) * g.ppo_epochs
+        out = {key: value / tokens for key, value in sums.items()}
+        out.update(loss=loss_total / g.ppo_epochs, grad_norm=grad_norm, reference_time=ref_time,
+                   logprob_gap=logprob_gap / max(float(mask.sum()), 1.0), micro_batches=float(len(batches)))
+        return out
+
+    def _memrl_callbacks(self) -> list[Any]:
+        from lightning_memrl.callbacks import MemRLCallback
+
+        return [c for c in self.trainer.callbacks if isinstance(c, MemRLCallback)]
+
+    def _log_step(
+        self, rollouts: RolloutBatch, stats: dict[str, float], rollout_time: float, update_time: float, step_time: float
+    ) -> None:
+        rewards = rollouts.rewards
+        valid = rewards[~torch.isnan(rewards)]
+        grouped = rewards.view(-1, rollouts.group_size)
+        zero_std = torch.tensor([float(torch.nan_to_num(g[~torch.isnan(g)].std(), 0.0) == 0) if (~torch.isnan(g)).sum() > 1 else 1.0 for g in grouped])
+        lengths = rollouts.response_mask.sum(-1).float()
+        is_mem = rollouts.memory_tokens_mask
+        tokens = float(lengths.sum())
+        metrics = {
+            "train/reward": float(valid.mean()) if valid.numel() else math.nan,
+            "train/reward_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            "train/frac_reward_zero_std": float(zero_std.mean()),
+            "train/advantage_abs": float(rollouts.trajectory_advantages.abs().mean()),
+            "train/response_length": float(lengths[~is_mem].mean()) if (~is_mem).any() else 0.0,
+            "train/memory_length": float(lengths[is_mem].mean()) if is_mem.any() else 0.0,
+            "train/truncation_ratio": float(rollouts.truncated.float().mean()),
+            "train/turns_per_trajectory": rollouts.response_ids.shape[0] / rollouts.num_trajectories,
+            "train/loss": stats["loss"],
+            "train/grad_norm": stats["grad_norm"],
+            "train/clip_frac": stats.get("clip_frac", 0.0),
+            "train/dual_clip_frac": stats.get("dual_clip_frac", 0.0),
+            "train/entropy": stats.get("entropy", 0.0),
+            "train/logprob_gap": stats["logprob_gap"],
+            "train/lr": float(self.optimizers().param_groups[0]["lr"]),
+            "time/rollout_s": rollout_time,
+            "time/reference_s": stats["reference_time"],
+            "time/update_s": update_time,
+            "time/step_s": step_time,
+            "time/rollout_tokens_per_s": tokens / max(rollout_time, 1e-9),
+            "time/update_tokens_per_s": tokens * self.grpo.ppo_epochs / max(update_time, 1e-9),
+        }
+        if "kl" in stats:
+            metrics["train/kl"] = stats["kl"]
+        for name, values in rollouts.reward_components.items():
+            scored = values[~torch.isnan(values)]
+            metrics[f"train/reward/{name}"] = float(scored.mean()) if scored.numel() else math.nan
+        self.log_dict(metrics, batch_size=rollouts.num_trajectories)
+        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=rollouts.num_trajectories)
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: list[Task], batch_idx: int) -> None:
+        """Greedy rollouts scored by exact match, token F1 and the training reward."""
+        settings = GenerationSettings(
+            temperature=0.0, max_new_tokens=self.val_max_new_tokens or self.generation.max_new_tokens,
+            stop_strings=self.generation.stop_strings,
+        )
+        with torch.no_grad():
+            rollouts = self.rollout(list(batch), settings)
+        self.score(rollouts)
+        for trajectory in rollouts.trajectories:
+            answer = answer_from_completion(trajectory.final_text)
+            self.val_exact_match.update(exact_match(answer, trajectory.task.answers))
+            self.val_f1.update(token_f1(answer, trajectory.task.answers))
+        valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
+        if valid.numel():
+            self.val_reward.update(valid)
+        n = len(batch)
+        self.log("val/exact_match", self.val_exact_match, prog_bar=True, batch_size=n)
+        self.log("val/f1", self.val_f1, batch_size=n)
+        self.log("val/reward", self.val_reward, batch_size=n)
+
+    test_step = validation_step
+
+    # ------------------------------------------------------------------ optimisation and state
+    def configure_optimizers(self) -> Any:
+        o = self.optim
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
+        if o.schedule not in ("constant", "cosine"):
+            raise ValueError(f"model.optimizer.schedule must be 'constant' or 'cosine', got {o.schedule!r}")
+
+        def factor(step: int) -> float:
+            if o.warmup_steps and step < o.warmup_steps:
+                return (step + 1) / o.warmup_steps
+            if o.schedule == "cosine" and total:
+                progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+            return 1.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["memrl_workflow"] = self.workflow.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.workflow.load_state_dict(checkpoint.get("memrl_workflow", {}))

@@ -1,0 +1,142 @@
+"""Answer extraction, SQuAD-style scoring and the reward functions chosen in YAML.
+
+A reward function is a callable ``(completion, answers) -> float | None`` with a ``name`` and a
+``weight``. ``None`` means "cannot score this one"; a trajectory that every function leaves
+unscored gets a NaN reward, which the advantage leaves out of its group's baseline.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in str(text).lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""Content of the last ``\boxed{...}`` in ``text`` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+    return None
+
+
+def exact_match(prediction: str, answers: list[str]) -> float:
+    """1.0 when the normalised prediction equals a normalised gold answer."""
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(a) for a in answers))
+
+
+def sub_exact_match(prediction: str, answers: list[str]) -> float:
+    """1.0 when a normalised gold answer occurs inside the normalised prediction."""
+    pred = normalize_answer(prediction)
+    return float(any(normalize_answer(a) and normalize_answer(a) in pred for a in answers))
+
+
+def token_f1(prediction: str, answers: list[str]) -> float:
+    """Best SQuAD token F1 of the prediction against the gold answers."""
+    pred_tokens = normalize_answer(prediction).split()
+    best = 0.0
+    for answer in answers:
+        gold_tokens = normalize_answer(answer).split()
+        if not pred_tokens or not gold_tokens:
+            best = max(best, float(pred_tokens == gold_tokens))
+            continue
+        common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+        if common:
+            precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def answer_from_completion(completion: str) -> str:
+    r"""The answer a completion gives: its last ``\boxed{}`` content, else the whole text."""
+    boxed = extract_boxed(completion)
+    return boxed if boxed is not None else completion.strip()
+
+
+class RewardFunction:
+    """Base of reward functions; subclass and implement :meth:`score`.
+
+    Args:
+        weight: multiplies the score before the weighted sum over reward functions.
+        name: key under which the score is logged (``train/reward/<name>``).
+    """
+
+    default_name = "reward"
+
+    def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
+        self.weight = weight
+        self.name = name or self.default_name
+
+    def score(self, completion: str, answers: list[str]) -> float | None:
+        """Score one final completion against its gold answers."""
+        raise NotImplementedError
+
+    def __call__(self, completion: str, answers: list[str]) -> float | None:
+        return self.score(completion, answers)
+
+
+class ExactMatch(RewardFunction):
+    r"""Exact match of the ``\boxed{}`` answer (whole completion if none).
+
+    Args:
+        require_boxed: score 0 when the completion has no ``\boxed{}`` (MemAgent's rule).
+        weight: weight in the sum of reward functions.
+        name: log key.
+    """
+
+    default_name = "exact_match"
+
+    def __init__(self, require_boxed: bool = False, weight: float = 1.0, name: str | None = None) -> None:
+        super().__init__(weight, name)
+        self.require_boxed = require_boxed
+
+    def score(self, completion: str, answers: list[str]) -> float | None:
+        if self.require_boxed and extract_boxed(completion) is None:
+            return 0.0
+        return exact_match(answer_from_completion(completion), answers)
+
+
+class SubExactMatch(RewardFunction):
+    """A gold answer appears inside the extracted answer."""
+
+    default_name = "sub_em"
+
+    def score(self, completion: str, answers: list[str]) -> float | None:
+        return sub_exact_match(answer_from_completion(completion), answers)
+
+
+class TokenF1(RewardFunction):
+    """SQuAD token F1 of the extracted answer."""
+
+    default_name = "f1"
+
+    def score(self, completion: str, answers: list[str]) -> float | None:
+        return token_f1(answer_from_completion(completion), answers)
+
+
+class BoxedFormat(RewardFunction):
+    r"""1.0 when the completion contains exactly one non-empty ``\boxed{}``, else 0.0."""
+
+    default_name = "format"
+
+    def score(self, completion: str, answers: list[str]) -> float | None:
+        boxed = extract_boxed(completion)
+        return float(boxed is not None and bool(boxed) and completion.count("\\boxed{") == 1)

@@ -1,0 +1,130 @@
+"""Rollout engine: one batched ``generate`` call over every conversation of a turn.
+
+Token-in/token-out: callers pass prompt token ids and get back the exact generated ids with the
+log-probability of each under the sampling temperature; the update trains on these ids and never
+re-tokenises text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class GenerationSettings:
+    """Sampling settings of the rollout engine.
+
+    Args:
+        temperature: sampling temperature; 0 means greedy. Log-probs use ``logits / temperature``
+            (1 when greedy), and the update uses the same scaling.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep the k most likely tokens (0 = off).
+        max_new_tokens: cap of one answer turn; memory turns are capped by the memory budget.
+        stop_strings: extra strings that end a response (kept in it, like EOS).
+    """
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    stop_strings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """What the engine returns for one prompt."""
+
+    token_ids: list[int]  # generated ids up to and including EOS / stop string
+    logprobs: Tensor  # [len(token_ids)] float32, under logits / temperature
+    truncated: bool  # hit max_new_tokens without EOS or a stop string
+
+
+class RolloutEngine:
+    """Batched sampling with left padding and the KV cache of ``model.generate``.
+
+    Args:
+        model: a causal LM (``transformers`` or a ``peft`` wrapper of one).
+        tokenizer: its tokenizer; needs a pad token (EOS is used when it has none).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def left_pad(self, prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+        """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, P]."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        return ids.to(device), mask.to(device)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], settings: GenerationSettings, max_new_tokens: int | None = None
+    ) -> list[Generation]:
+        """Sample one response per prompt, all prompts in one batch.
+
+        Args:
+            prompts: prompt token ids, one list per conversation.
+            settings: sampling settings.
+            max_new_tokens: overrides ``settings.max_new_tokens`` for this call.
+        """
+        if not prompts:
+            return []
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = self.left_pad(prompts, device)
+        greedy = settings.temperature <= 0
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens or settings.max_new_tokens,
+            "do_sample": not greedy,
+            "pad_token_id": self.pad_id,
+            "eos_token_id": sorted(self.eos_ids),
+            "return_dict_in_generate": True,
+            "output_logits": True,
+            "use_cache": True,
+        }
+        if not greedy:
+            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        else:  # neutral values so a model's generation_config does not warn or sample
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        if settings.stop_strings:
+            kwargs.update(stop_strings=list(settings.stop_strings), tokenizer=self.tokenizer)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        new_ids = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, S]
+        scale = 1.0 if greedy else settings.temperature
+        logits = torch.stack(out.logits, dim=1).float()  # [B, S, V] raw (unprocessed) logits
+        logprobs = torch.log_softmax(logits / scale, dim=-1)
+        token_logprobs = logprobs.gather(-1, new_ids.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
+        del logits, logprobs
+        return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
+
+    def _cut(self, ids: Tensor, logprobs: Tensor, settings: GenerationSettings) -> Generation:
+        """Keep a row's tokens up to its first EOS or stop string (inclusive)."""
+        ids_list = ids.tolist()
+        for pos, tok in enumerate(ids_list):
+            if tok in self.eos_ids:
+                return Generation(ids_list[: pos + 1], logprobs[: pos + 1].clone(), False)
+        if settings.stop_strings:
+            end = self._stop_string_end(ids_list, settings.stop_strings)
+            if end is not None:
+                return Generation(ids_list[:end], logprobs[:end].clone(), False)
+        return Generation(ids_list, logprobs.clone(), True)
+
+    def _stop_string_end(self, ids: list[int], stop_strings: list[str]) -> int | None:
+        """Smallest prefix length whose decoded text contains a stop string."""
+        for end in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:end], skip_special_tokens=False)
+            if any(s in text for s in stop_strings):
+                return end
+        return None
