@@ -178,7 +178,7 @@ class MemRLModule(L.LightningModule):
         if self.grpo.kl_coef > 0 and self.lora is None:
             reference = load_policy(self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation, seed=self.seed)
             reference.eval().requires_grad_(False)
-            self._reference = reference
+            self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
         self.engine = RolloutEngine(self.policy, self.tokenizer)
 
