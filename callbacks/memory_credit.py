@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-
 from lightning_memrl.callbacks.base import MemRLCallback
+
 from lightning_memrl.rewards import normalize_answer
 
 if TYPE_CHECKING:
@@ -20,12 +20,15 @@ def memory_write_credits(trajectory: Trajectory) -> list[float]:
     +1 when the memory holds a gold answer; -1 when a chunk read so far held it but the memory
     does not (the write lost it); 0 when no chunk read so far held it (nothing to keep yet).
     """
-    answers = [normalize_answer(a) for a in trajectory.task.answers]
-    answers = [a for a in answers if a]
+    answers = [f" {a} " for a in map(normalize_answer, trajectory.task.answers) if a]
+
+    def holds(text: str) -> bool:  # whole-word match: "10" is not found in "100"
+        return any(a in f" {normalize_answer(text)} " for a in answers)
+
     credits, seen = [], False
     for chunk, memory in zip(trajectory.chunks, trajectory.memories):
-        seen = seen or any(a in normalize_answer(chunk) for a in answers)
-        if any(a in normalize_answer(memory) for a in answers):
+        seen = seen or holds(chunk)
+        if holds(memory):
             credits.append(1.0)
         else:
             credits.append(-1.0 if seen else 0.0)
@@ -56,7 +59,7 @@ class MemoryTokenCredit(MemRLCallback):
         row = 0
         for trajectory in rollouts.trajectories:
             memory_credits = iter(memory_write_credits(trajectory))
-            for turn in trajectory.turns:
+            for _turn in trajectory.turns:
                 if rollouts.memory_tokens_mask[row]:
                     credits[row] = next(memory_credits)
                 row += 1
@@ -64,10 +67,11 @@ class MemoryTokenCredit(MemRLCallback):
         mixed = (1 - self.weight) * rollouts.advantages + self.weight * credits.unsqueeze(-1)
         mask = rollouts.response_mask.bool()
         rollouts.advantages = torch.where(is_memory & mask, mixed, rollouts.advantages)
-        self.credit_sum += float(credits[rollouts.memory_tokens_mask].sum())
-        self.credited_turns += int(rollouts.memory_tokens_mask.sum())
-        if self.credited_turns:
-            module.log("train/memory_credit", float(credits[rollouts.memory_tokens_mask].mean()) if rollouts.memory_tokens_mask.any() else 0.0)
+        batch_credits = credits[rollouts.memory_tokens_mask]
+        self.credit_sum += float(batch_credits.sum())
+        self.credited_turns += batch_credits.numel()
+        if batch_credits.numel():  # a batch without memory turns logs nothing
+            module.log("train/memory_credit", float(batch_credits.mean()))
 
     def state_dict(self) -> dict[str, Any]:
         return {"credit_sum": self.credit_sum, "credited_turns": self.credited_turns}

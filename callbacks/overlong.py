@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-
 from lightning_memrl.callbacks.base import MemRLCallback
 
 if TYPE_CHECKING:

@@ -37,9 +37,32 @@ class DataError(ValueError):
 
 # --------------------------------------------------------------------------- synthetic tasks
 _NAMES = [
-    "Alice", "Bruno", "Chen", "Dara", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kemal",
-    "Lena", "Mateo", "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor",
-    "Wen", "Ximena", "Yusuf", "Zofia",
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dara",
+    "Elif",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Kemal",
+    "Lena",
+    "Mateo",
+    "Nadia",
+    "Oskar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tariq",
+    "Uma",
+    "Viktor",
+    "Wen",
+    "Ximena",
+    "Yusuf",
+    "Zofia",
 ]
 _FILLER = [
     "The weather in the valley stayed mild for most of the season.",
@@ -246,11 +269,15 @@ class MemRLDataModule(L.LightningDataModule):
         """Load (and check) the tasks once."""
         if not self.train_tasks:
             self.train_tasks = (
-                load_tasks(self.train_path, self.field_map) if self.train_path else generate_synthetic_tasks(self.synthetic)
+                load_tasks(self.train_path, self.field_map)
+                if self.train_path
+                else generate_synthetic_tasks(self.synthetic)
             )
         if not self.val_tasks:
             self.val_tasks = (
-                load_tasks(self.val_path, self.field_map) if self.val_path else generate_synthetic_tasks(self.synthetic_val)
+                load_tasks(self.val_path, self.field_map)
+                if self.val_path
+                else generate_synthetic_tasks(self.synthetic_val)
             )
         log.info("tasks: %d train, %d validation", len(self.train_tasks), len(self.val_tasks))
 
@@ -258,12 +285,19 @@ class MemRLDataModule(L.LightningDataModule):
         import torch
 
         return DataLoader(
-            self.train_tasks, batch_size=self.batch_size, shuffle=True, collate_fn=_collate,
-            num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed), drop_last=True,
+            self.train_tasks,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=_collate,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+            drop_last=True,
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_tasks, batch_size=self.val_batch_size, collate_fn=_collate, num_workers=self.num_workers)
+        return DataLoader(
+            self.val_tasks, batch_size=self.val_batch_size, collate_fn=_collate, num_workers=self.num_workers
+        )
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

@@ -43,7 +43,7 @@ def group_advantages(
     Returns:
         One advantage per trajectory. A group whose valid rewards are all equal gets 0.
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
+    if group_size < 1 or rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries")
     r = rewards.float().view(-1, group_size)  # [N/G, G]
     valid = ~torch.isnan(r)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -25,7 +25,7 @@ from torchmetrics import MeanMetric
 from lightning_memrl import grpo
 from lightning_memrl.data import Task
 from lightning_memrl.models import LoraSettings, load_policy, load_tokenizer
-from lightning_memrl.rewards import ExactMatch, RewardFunction, TokenF1, answer_from_completion, exact_match, token_f1
+from lightning_memrl.rewards import ExactMatch, RewardFunction, answer_from_completion, exact_match, token_f1
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
@@ -172,11 +172,18 @@ class MemRLModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.model_name_or_path)
         self.policy = load_policy(
-            self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation,
-            self.lora, self.gradient_checkpointing, self.seed,
+            self.model_name_or_path,
+            self.tokenizer,
+            self.dtype_name,
+            self.attn_implementation,
+            self.lora,
+            self.gradient_checkpointing,
+            self.seed,
         )
         if self.grpo.kl_coef > 0 and self.lora is None:
-            reference = load_policy(self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation, seed=self.seed)
+            reference = load_policy(
+                self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation, seed=self.seed
+            )
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
@@ -224,7 +231,12 @@ class MemRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ log-probs and loss
     def sequence_logprobs(
-        self, model: Any, prompts: list[list[int]], response_ids: Tensor, response_mask: Tensor, with_entropy: bool = False
+        self,
+        model: Any,
+        prompts: list[list[int]],
+        response_ids: Tensor,
+        response_mask: Tensor,
+        with_entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs of ``response_ids`` [B, R] after their prompts, under ``logits / temperature``.
 
@@ -243,14 +255,21 @@ class MemRLModule(L.LightningModule):
         attention[:, width:] = response_mask
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
         out = model(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), position_ids=position_ids.to(device),
-            logits_to_keep=resp_len + 1, use_cache=False,
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            position_ids=position_ids.to(device),
+            logits_to_keep=resp_len + 1,
+            use_cache=False,
         )
         logits = out.logits[:, :-1].float()  # [B, R, V]: position t predicts response token t
         temperature = self.generation.temperature if self.generation.temperature > 0 else 1.0
         logits = logits / temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
-        entropy = grpo.entropy_from_logits(logits.detach() if self.grpo.entropy_coef == 0 else logits) if with_entropy else None
+        entropy = (
+            grpo.entropy_from_logits(logits.detach() if self.grpo.entropy_coef == 0 else logits)
+            if with_entropy
+            else None
+        )
         return logprobs, entropy
 
     def policy_loss(
@@ -313,7 +332,9 @@ class MemRLModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         mask = rollouts.response_mask.bool()
         weights = grpo.loss_token_weights(
-            rollouts.response_mask, rollouts.turn_to_trajectory, g.loss_aggregation,
+            rollouts.response_mask,
+            rollouts.turn_to_trajectory,
+            g.loss_aggregation,
             self.workflow.max_response_tokens(self.generation),
         )
         lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
@@ -321,7 +342,11 @@ class MemRLModule(L.LightningModule):
 
         def rows(idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:
             width = int(rollouts.response_mask[idx].sum(-1).max())  # trim shared padding
-            return [rollouts.prompt_ids[i] for i in idx], rollouts.response_ids[idx, :width], rollouts.response_mask[idx, :width]
+            return (
+                [rollouts.prompt_ids[i] for i in idx],
+                rollouts.response_ids[idx, :width],
+                rollouts.response_mask[idx, :width],
+            )
 
         need_old = g.ppo_epochs > 1
         need_ref = g.kl_coef > 0
@@ -357,25 +382,37 @@ class MemRLModule(L.LightningModule):
                     rollout_lp = rollouts.rollout_logprobs[idx, :width].to(self.device)
                     logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
                 loss, stats = self.policy_loss(
-                    logprobs, old, ref_lp.get(b), rollouts.advantages[idx, :width].to(self.device),
-                    weights[idx, :width].to(self.device), entropy, m_dev,
+                    logprobs,
+                    old,
+                    ref_lp.get(b),
+                    rollouts.advantages[idx, :width].to(self.device),
+                    weights[idx, :width].to(self.device),
+                    entropy,
+                    m_dev,
                 )
                 self.manual_backward(loss)
                 loss_total += float(loss.detach())
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             if g.max_grad_norm > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.policy.parameters() if p.requires_grad], g.max_grad_norm
-                ))
+                grad_norm = float(
+                    torch.nn.utils.clip_grad_norm_(
+                        [p for p in self.policy.parameters() if p.requires_grad], g.max_grad_norm
+                    )
+                )
             opt.step()
             opt.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
         tokens = float(mask.sum()) * g.ppo_epochs
         out = {key: value / tokens for key, value in sums.items()}
-        out.update(loss=loss_total / g.ppo_epochs, grad_norm=grad_norm, reference_time=ref_time,
-                   logprob_gap=logprob_gap / max(float(mask.sum()), 1.0), micro_batches=float(len(batches)))
+        out.update(
+            loss=loss_total / g.ppo_epochs,
+            grad_norm=grad_norm,
+            reference_time=ref_time,
+            logprob_gap=logprob_gap / max(float(mask.sum()), 1.0),
+            micro_batches=float(len(batches)),
+        )
         return out
 
     def _memrl_callbacks(self) -> list[Any]:
@@ -389,7 +426,12 @@ class MemRLModule(L.LightningModule):
         rewards = rollouts.rewards
         valid = rewards[~torch.isnan(rewards)]
         grouped = rewards.view(-1, rollouts.group_size)
-        zero_std = torch.tensor([float(torch.nan_to_num(g[~torch.isnan(g)].std(), 0.0) == 0) if (~torch.isnan(g)).sum() > 1 else 1.0 for g in grouped])
+        zero_std = torch.tensor(
+            [
+                float(torch.nan_to_num(g[~torch.isnan(g)].std(), 0.0) == 0) if (~torch.isnan(g)).sum() > 1 else 1.0
+                for g in grouped
+            ]
+        )
         lengths = rollouts.response_mask.sum(-1).float()
         is_mem = rollouts.memory_tokens_mask
         tokens = float(lengths.sum())
@@ -428,7 +470,8 @@ class MemRLModule(L.LightningModule):
     def validation_step(self, batch: list[Task], batch_idx: int) -> None:
         """Greedy rollouts scored by exact match, token F1 and the training reward."""
         settings = GenerationSettings(
-            temperature=0.0, max_new_tokens=self.val_max_new_tokens or self.generation.max_new_tokens,
+            temperature=0.0,
+            max_new_tokens=self.val_max_new_tokens or self.generation.max_new_tokens,
             stop_strings=self.generation.stop_strings,
         )
         with torch.no_grad():

@@ -121,9 +121,7 @@ class RolloutBatch:
 class Workflow:
     """How tasks are turned into trajectories. Subclass and implement :meth:`rollout`."""
 
-    def rollout(
-        self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings
-    ) -> list[Trajectory]:
+    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         """Run one trajectory per entry of ``tasks`` (group members are repeated entries)."""
         raise NotImplementedError
 
@@ -195,9 +193,7 @@ class MemAgentWorkflow(Workflow):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def rollout(
-        self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings
-    ) -> list[Trajectory]:
+    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         tokenizer = engine.tokenizer
         chunk_cache: dict[int, list[str]] = {}
         trajectories = []
@@ -216,7 +212,9 @@ class MemAgentWorkflow(Workflow):
             prompts = [
                 self.encode_prompt(
                     self.memory_template.format(
-                        problem=trajectories[i].task.question, chunk=trajectories[i].chunks[k], memory=self.memory.read(i)
+                        problem=trajectories[i].task.question,
+                        chunk=trajectories[i].chunks[k],
+                        memory=self.memory.read(i),
                     ),
                     tokenizer,
                 )
@@ -228,7 +226,9 @@ class MemAgentWorkflow(Workflow):
                 trajectories[i].turns.append(Turn(MEMORY_TURN, prompt, gen, text))
                 trajectories[i].memories.append(text)
         prompts = [
-            self.encode_prompt(self.answer_template.format(problem=t.task.question, memory=self.memory.read(i)), tokenizer)
+            self.encode_prompt(
+                self.answer_template.format(problem=t.task.question, memory=self.memory.read(i)), tokenizer
+            )
             for i, t in enumerate(trajectories)
         ]
         for traj, prompt, gen in zip(trajectories, prompts, engine.generate(prompts, settings)):

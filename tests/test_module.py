@@ -5,18 +5,29 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-
-from lightning_memrl import GRPOSettings, GenerationSettings, LoraSettings, MemAgentWorkflow, MemRLDataModule
-from lightning_memrl import MemRLModule, OptimizerSettings, SyntheticTaskConfig
 from lightning_memrl.callbacks import MemRLCallback
+
+from lightning_memrl import (
+    GenerationSettings,
+    GRPOSettings,
+    LoraSettings,
+    MemAgentWorkflow,
+    MemRLDataModule,
+    MemRLModule,
+    OptimizerSettings,
+    SyntheticTaskConfig,
+)
 from lightning_memrl.module import micro_batches
 from lightning_memrl.rewards import RewardFunction
 
 
 def _data(**kwargs):
     return MemRLDataModule(
-        batch_size=2, val_batch_size=4, synthetic=SyntheticTaskConfig(num_tasks=8, sentences_per_chunk=1),
-        synthetic_val=SyntheticTaskConfig(num_tasks=4, seed=99, sentences_per_chunk=1), **kwargs,
+        batch_size=2,
+        val_batch_size=4,
+        synthetic=SyntheticTaskConfig(num_tasks=8, sentences_per_chunk=1),
+        synthetic_val=SyntheticTaskConfig(num_tasks=4, seed=99, sentences_per_chunk=1),
+        **kwargs,
     )
 
 
@@ -41,8 +52,15 @@ def _module(**grpo_kwargs):
 
 def _trainer(tmp_path, steps=2, callbacks=()):
     return L.Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path, callbacks=list(callbacks),
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        callbacks=list(callbacks),
     )
 
 
@@ -93,8 +111,12 @@ def test_kl_reference_full_copy_is_frozen_and_lora_uses_disabled_adapter(tmp_pat
     assert module._reference is not None
     assert not any(p.requires_grad for p in module._reference.parameters())
     assert not any(k.startswith("_reference") for k in module.state_dict())  # not checkpointed
-    lora = MemRLModule(lora=LoraSettings(r=4, alpha=8), grpo=GRPOSettings(kl_coef=0.1, group_size=2),
-                       workflow=MemAgentWorkflow(max_memory_tokens=8), generation=GenerationSettings(max_new_tokens=8))
+    lora = MemRLModule(
+        lora=LoraSettings(r=4, alpha=8),
+        grpo=GRPOSettings(kl_coef=0.1, group_size=2),
+        workflow=MemAgentWorkflow(max_memory_tokens=8),
+        generation=GenerationSettings(max_new_tokens=8),
+    )
     lora.configure_model()
     assert lora._reference is None  # no second copy with LoRA
     trainable = [n for n, p in lora.policy.named_parameters() if p.requires_grad]
@@ -115,7 +137,9 @@ def test_kl_reference_full_copy_is_frozen_and_lora_uses_disabled_adapter(tmp_pat
 
 def _grads_after_update(micro_batch_tokens, aggregation):
     torch.manual_seed(0)
-    module = _module(kl_coef=0.1, micro_batch_tokens=micro_batch_tokens, loss_aggregation=aggregation, max_grad_norm=0.0)
+    module = _module(
+        kl_coef=0.1, micro_batch_tokens=micro_batch_tokens, loss_aggregation=aggregation, max_grad_norm=0.0
+    )
     module.configure_model()
     tasks = _data()
     tasks.setup()
@@ -160,8 +184,12 @@ class FixedAdvantages(MemRLModule):
 
 
 def test_subclass_overrides_compute_advantages(tmp_path):
-    module = FixedAdvantages(workflow=MemAgentWorkflow(max_memory_tokens=8), grpo=GRPOSettings(group_size=2),
-                             generation=GenerationSettings(max_new_tokens=8), optimizer=OptimizerSettings(lr=1e-3))
+    module = FixedAdvantages(
+        workflow=MemAgentWorkflow(max_memory_tokens=8),
+        grpo=GRPOSettings(group_size=2),
+        generation=GenerationSettings(max_new_tokens=8),
+        optimizer=OptimizerSettings(lr=1e-3),
+    )
     seen = []
 
     class Spy(MemRLCallback):
@@ -176,8 +204,13 @@ def test_subclass_overrides_compute_advantages(tmp_path):
 
 def test_validation_logs_exact_match_and_f1(tmp_path):
     module = _module()
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     (metrics,) = trainer.validate(module, _data())
     assert set(metrics) >= {"val/exact_match", "val/f1", "val/reward"}
     assert 0.0 <= metrics["val/f1"] <= 1.0

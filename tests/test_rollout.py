@@ -46,7 +46,9 @@ def test_greedy_is_deterministic_and_truncation_flag(tiny_model, tiny_tokenizer)
         ended = gen.token_ids[-1] == tiny_tokenizer.eos_token_id
         assert gen.truncated == (not ended)
         assert len(gen.token_ids) <= 6
-        torch.testing.assert_close(gen.logprobs, _forward_logprobs(tiny_model, prompt, gen.token_ids, 1.0), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            gen.logprobs, _forward_logprobs(tiny_model, prompt, gen.token_ids, 1.0), atol=1e-4, rtol=0
+        )
 
 
 def test_eos_ends_a_response(tiny_model, tiny_tokenizer):

@@ -41,7 +41,13 @@ def test_turns_memory_budget_and_flattening(tiny_model, tiny_tokenizer):
 
     batch = RolloutBatch.from_trajectories(trajectories, 3, engine.pad_id)
     assert batch.response_ids.shape[0] == 15 and batch.turn_to_trajectory.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [
-        3, 3, 4, 4, 5, 5]
+        3,
+        3,
+        4,
+        4,
+        5,
+        5,
+    ]
     assert batch.memory_tokens_mask.tolist()[:3] == [True, True, False]
     row = 0
     for traj in trajectories:  # token-in/token-out: the batch holds exactly the generated ids

@@ -1,0 +1,181 @@
+"""The real ``lightning-memrl`` entry point: fit, resume, validate, print_config, help, errors."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_memrl.models import build_tiny_model, build_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def _cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")
+    exe = Path(sys.executable).with_name("lightning-memrl")
+    proc = subprocess.run([str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return proc
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    )
+    return proc
+
+
+def _logs(tmp_path: Path) -> Path:
+    """configs/tiny.yaml writes logs and checkpoints under logs/tiny of the working directory."""
+    return tmp_path / "logs" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("fit")
+    _ok(_cli("fit", "--config", TINY, "--trainer.max_steps", "3", cwd=tmp_path))
+    return tmp_path
+
+
+def test_fit_changes_parameters_and_logs_metrics(trained):
+    ckpt_path = _logs(trained) / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 3
+    initial = build_tiny_model(build_tiny_tokenizer(), seed=0).state_dict()
+    trained_weights = {k.removeprefix("policy."): v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+    assert set(trained_weights) == set(initial)
+    changed = [k for k in initial if not torch.equal(initial[k], trained_weights[k])]
+    assert len(changed) > len(initial) // 2, changed
+    rows = list(csv.DictReader(open(next((_logs(trained) / "csv").glob("version_*/metrics.csv")))))
+    train_rows = [r for r in rows if r.get("train/reward")]
+    assert len(train_rows) == 3
+    for key in (
+        "train/reward",
+        "train/kl",
+        "train/entropy",
+        "train/clip_frac",
+        "train/memory_length",
+        "train/frac_reward_zero_std",
+        "time/rollout_s",
+        "time/update_s",
+        "train/reward/exact_match",
+    ):
+        assert all(r[key] != "" for r in train_rows), key
+    assert float(train_rows[-1]["train/entropy"]) > 0
+    assert list((_logs(trained) / "tb").glob("version_*/events.out.tfevents.*"))
+    assert ckpt["memrl_workflow"]["memory"]["writes"] > 0
+
+
+def test_resume_restores_optimizer_scheduler_step_and_callback_state(trained, tmp_path):
+    first = torch.load(_logs(trained) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    _ok(
+        _cli(
+            "fit",
+            "--config",
+            TINY,
+            "--trainer.max_steps",
+            "5",
+            "--ckpt_path",
+            str(_logs(trained) / "checkpoints" / "last.ckpt"),
+            cwd=tmp_path,
+        )
+    )
+    resumed = torch.load(_logs(tmp_path) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert resumed["global_step"] == 5
+    adam_steps = {float(s["step"]) for s in resumed["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {5.0}  # AdamW moments continued from step 3, not restarted
+    assert resumed["lr_schedulers"][0]["last_epoch"] == 5
+    memory_before = first["memrl_workflow"]["memory"]["writes"]
+    assert resumed["memrl_workflow"]["memory"]["writes"] > memory_before > 0
+    key = next(k for k in resumed["callbacks"] if "MemoryTokenCredit" in k)
+    assert resumed["callbacks"][key]["credited_turns"] > first["callbacks"][key]["credited_turns"] > 0
+
+
+def test_user_callback_composed_from_yaml(tmp_path):
+    extra = str(REPO / "examples" / "custom_callbacks.yaml")
+    _ok(
+        _cli(
+            "fit",
+            "--config",
+            TINY,
+            "--config",
+            extra,
+            "--trainer.max_steps",
+            "2",
+            cwd=tmp_path,
+            extra_path=str(REPO / "examples"),
+        )
+    )
+    ckpt = torch.load(_logs(tmp_path) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    names = list(ckpt["callbacks"])
+    assert any("ConciseMemoryBonus" in n for n in names) and any("OverlongPenalty" in n for n in names)
+    state = ckpt["callbacks"][next(n for n in names if "ConciseMemoryBonus" in n)]
+    assert state["rewarded_turns"] >= 0 and set(state) == {"rewarded_turns"}
+
+
+def test_subclass_from_the_command_line(tmp_path):
+    _ok(
+        _cli(
+            "fit",
+            "--config",
+            TINY,
+            "--model.class_path",
+            "custom_advantages.RankAdvantageModule",
+            "--trainer.max_steps",
+            "1",
+            cwd=tmp_path,
+            extra_path=str(REPO / "examples"),
+        )
+    )
+    ckpt = torch.load(_logs(tmp_path) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["hyper_parameters"]["_class_path"] == "custom_advantages.RankAdvantageModule"
+
+
+def test_validate_prints_metrics(trained, tmp_path):
+    proc = _ok(
+        _cli(
+            "validate", "--config", TINY, "--ckpt_path", str(_logs(trained) / "checkpoints" / "last.ckpt"), cwd=tmp_path
+        )
+    )
+    assert "val/exact_match" in proc.stdout and "val/f1" in proc.stdout
+
+
+def test_print_config_and_help(tmp_path):
+    proc = _ok(_cli("fit", "--config", TINY, "--print_config", cwd=tmp_path))
+    for key in (
+        "kl_estimator: low_var_kl",
+        "loss_aggregation: token_mean",
+        "class_path: lightning_memrl.MemRLModule",
+        "max_memory_tokens: 16",
+        "OverlongPenalty",
+    ):
+        assert key in proc.stdout, key
+    top = _ok(_cli("--help", cwd=tmp_path)).stdout
+    assert "fit" in top and "validate" in top
+    model_help = _ok(_cli("fit", "--model.help", "lightning_memrl.MemRLModule", cwd=tmp_path)).stdout
+    assert "--model.grpo.help" in model_help and "GRPO options" in model_help
+    assert "policy as a hub id or local path" in model_help  # docstrings become --help
+
+
+def test_bad_data_row_stops_with_file_row_and_field(tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text(
+        '{"question": "q?", "context": ["c"], "answers": ["a"]}\n{"question": "", "context": "c", "answers": "a"}\n'
+    )
+    proc = _cli("fit", "--config", TINY, "--data.init_args.train_path", str(bad), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert f"{bad}: row 1: field 'question'" in proc.stderr
+
+
+def test_missing_model_stops_with_the_option_name(tmp_path):
+    proc = _cli("fit", "--config", TINY, "--model.init_args.model_name_or_path", str(tmp_path / "nope"), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "model_name_or_path" in proc.stderr and "nope" in proc.stderr
