@@ -108,6 +108,9 @@ def generate_synthetic_tasks(config: SyntheticTaskConfig) -> list[Task]:
     """Reproducible tasks: secret codes hidden among filler and distractors across chunks."""
     if config.min_chunks < 1 or config.max_chunks < config.min_chunks:
         raise DataError(f"synthetic: need 1 <= min_chunks <= max_chunks, got {config.min_chunks}, {config.max_chunks}")
+    for knob in ("num_tasks", "sentences_per_chunk", "distractor_facts"):
+        if getattr(config, knob) < 0:
+            raise DataError(f"synthetic: {knob} must be >= 0, got {getattr(config, knob)}")
     if config.hops not in (1, 2):
         raise DataError(f"synthetic: hops must be 1 or 2, got {config.hops}")
     if config.distractor_facts + config.hops > len(_NAMES):
@@ -181,13 +184,15 @@ def _check_row(row: dict[str, Any], index: int, source: str, fields: dict[str, s
     else:
         raise fail("context", "must be a string or a non-empty list of strings")
     if isinstance(answers, (str, int, float)) and not isinstance(answers, bool):
-        answers = [str(answers)]
+        answers = [answers]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, (str, int, float)) for a in answers):
         raise fail("answers", "must be a string or a non-empty list of strings")
-    answers = [str(a) for a in answers]
+    # a column mixing ints and floats is read as float: give 42.0 back as "42"
+    answers = [str(int(a)) if isinstance(a, float) and a.is_integer() else str(a) for a in answers]
     if not any(a.strip() for a in answers):
         raise fail("answers", "has only empty answers")
-    task_id = str(row.get(fields["id"], f"{Path(source).name}:{index}"))
+    raw_id = row.get(fields["id"])
+    task_id = str(raw_id) if raw_id is not None else f"{Path(source).name}:{index}"
     return Task(question=question, context=context, answers=answers, id=task_id)
 
 
@@ -213,6 +218,8 @@ def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> lis
     builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(suffix)
     if builder is None:
         raise DataError(f"{path}: unsupported extension {suffix!r}; use .json, .jsonl or .parquet")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty; it needs at least one task row")
     import datasets
 
     try:
@@ -278,6 +285,11 @@ class MemRLDataModule(L.LightningDataModule):
                 load_tasks(self.val_path, self.field_map)
                 if self.val_path
                 else generate_synthetic_tasks(self.synthetic_val)
+            )
+        if stage in (None, "fit") and len(self.train_tasks) < self.batch_size:
+            raise DataError(
+                f"data.batch_size={self.batch_size} but only {len(self.train_tasks)} training tasks: "
+                "lower batch_size or add tasks (the last incomplete batch is dropped)"
             )
         log.info("tasks: %d train, %d validation", len(self.train_tasks), len(self.val_tasks))
 

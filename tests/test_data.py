@@ -172,11 +172,6 @@ def test_synthetic_largest_distractor_count_is_allowed(hops, distractors):
     assert " ".join(task.context).count("The secret code of ") == 1 + distractors
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: negative distractor_facts/sentences_per_chunk are not validated "
-    "(IndexError / ValueError from random.sample instead of DataError)",
-)
 @pytest.mark.parametrize(
     "knobs", [{"distractor_facts": -1}, {"hops": 2, "distractor_facts": -2}, {"sentences_per_chunk": -1}]
 )
@@ -299,21 +294,11 @@ def test_partial_field_map_keeps_default_names(tmp_path):
     assert (task.question, task.context, task.answers) == ("Why?", "Because.", ["because"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: an int answer in a column that also holds floats is read as "
-    "float by Arrow and becomes '42.0', which can never match a model's '42'",
-)
 def test_integer_answers_stay_integers_next_to_float_answers(tmp_path):
     path = write_jsonl(tmp_path / "tasks.jsonl", [row(answers=42), row(answers=3.5)])
     assert [t.answers for t in load_tasks(path)] == [["42"], ["3.5"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: rows without an id in a file whose id column exists get the id "
-    "'None' (str(None)), so their ids collide instead of defaulting to '<file>:<row>'",
-)
 def test_rows_without_id_get_default_id_when_others_have_one(tmp_path):
     path = write_jsonl(tmp_path / "tasks.jsonl", [row(id="a"), row(), row()])
     assert [t.id for t in load_tasks(path)] == ["a", "tasks.jsonl:1", "tasks.jsonl:2"]

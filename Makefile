@@ -1,0 +1,24 @@
+# Fresh-machine entry points. `make train` runs the main job, `make test` the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup train test lint
+
+$(BIN)/lightning-memrl: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0        # CPU build; a bare `torch` may pull CUDA
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/lightning-memrl
+
+train: setup
+	$(BIN)/lightning-memrl fit --config configs/tiny.yaml
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: setup lint
+	$(BIN)/python -m pytest -q
