@@ -60,7 +60,7 @@ def main() -> None:
     result = {
         "config": str(Path(args.config)),
         "steps_measured": len(rows),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "median": {k: statistics.median(float(r[k]) for r in rows) for k in KEYS},
     }
     out = Path(__file__).parent / "results" / f"step_time_{config.stem}.json"
