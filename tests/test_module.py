@@ -214,3 +214,22 @@ def test_validation_logs_exact_match_and_f1(tmp_path):
     (metrics,) = trainer.validate(module, _data())
     assert set(metrics) >= {"val/exact_match", "val/f1", "val/reward"}
     assert 0.0 <= metrics["val/f1"] <= 1.0
+
+
+def test_gradient_checkpointing_with_lora_trains(tmp_path):
+    module = MemRLModule(
+        lora=LoraSettings(r=4, alpha=8),
+        gradient_checkpointing=True,
+        rewards=[AnswerLength()],
+        workflow=MemAgentWorkflow(max_memory_tokens=8),
+        generation=GenerationSettings(temperature=1.0, max_new_tokens=8),
+        grpo=GRPOSettings(group_size=2),
+        optimizer=OptimizerSettings(lr=1e-2),
+    )
+    module.configure_model()
+    base = module.policy.get_base_model()
+    assert base.is_gradient_checkpointing and not base.config.use_cache
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    _trainer(tmp_path, steps=1).fit(module, _data())
+    after = dict(module.policy.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
