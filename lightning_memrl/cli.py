@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 from lightning.pytorch.cli import LightningCLI
@@ -24,7 +25,15 @@ def build_cli(args: list[str] | None = None) -> LightningCLI:
 
 
 def main() -> None:
-    """Run ``lightning-memrl SUBCOMMAND --config CONFIG.yaml [--key value ...]``."""
+    """Run ``lightning-memrl SUBCOMMAND --config CONFIG.yaml [--key value ...]``.
+
+    ``lightning-memrl plot LOG_DIR`` turns CSV logs and evaluation reports into PNG charts.
+    """
+    if len(sys.argv) > 1 and sys.argv[1] == "plot":
+        from lightning_memrl.plot import main as plot_main
+
+        plot_main(sys.argv[2:])
+        return
     build_cli()
 
 

@@ -11,10 +11,12 @@ of :meth:`policy_loss`, gradient clipping, optimizer and LR-scheduler steps → 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -104,6 +106,31 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
+def evaluation_report(records: list[tuple[int, float, float]], **info: Any) -> dict[str, Any]:
+    """Exact match and F1 overall and by number of chunks from ``(chunks, em, f1)`` records."""
+
+    def summary(rows: list[tuple[int, float, float]]) -> dict[str, float]:
+        return {
+            "tasks": len(rows),
+            "exact_match": sum(r[1] for r in rows) / len(rows),
+            "f1": sum(r[2] for r in rows) / len(rows),
+        }
+
+    by_chunks = {str(n): summary([r for r in records if r[0] == n]) for n in sorted({r[0] for r in records})}
+    return {**info, "overall": summary(records), "by_num_chunks": by_chunks}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a text table."""
+    lines = [
+        f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')})",
+        f"{'chunks':>8} {'tasks':>6} {'exact_match':>12} {'f1':>7}",
+    ]
+    for key, row in [*report["by_num_chunks"].items(), ("all", report["overall"])]:
+        lines.append(f"{key:>8} {row['tasks']:>6} {100 * row['exact_match']:>11.1f}% {100 * row['f1']:>6.1f}%")
+    return "\n".join(lines)
+
+
 class MemRLModule(L.LightningModule):
     """GRPO training of a memory agent.
 
@@ -161,6 +188,8 @@ class MemRLModule(L.LightningModule):
         self.engine: RolloutEngine | None = None
         self._reference: Any = None  # not a registered submodule: kept out of checkpoints
         self.val_exact_match, self.val_f1, self.val_reward = MeanMetric(), MeanMetric(), MeanMetric()
+        self._val_records: list[tuple[int, float, float]] = []  # (chunks read, EM, F1) per task
+        self._checkpoint_step = 0  # step of the checkpoint a validate/test run loaded
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
@@ -479,8 +508,10 @@ class MemRLModule(L.LightningModule):
         self.score(rollouts)
         for trajectory in rollouts.trajectories:
             answer = answer_from_completion(trajectory.final_text)
-            self.val_exact_match.update(exact_match(answer, trajectory.task.answers))
-            self.val_f1.update(token_f1(answer, trajectory.task.answers))
+            em, f1 = exact_match(answer, trajectory.task.answers), token_f1(answer, trajectory.task.answers)
+            self.val_exact_match.update(em)
+            self.val_f1.update(f1)
+            self._val_records.append((len(trajectory.chunks), em, f1))
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
@@ -490,6 +521,25 @@ class MemRLModule(L.LightningModule):
         self.log("val/reward", self.val_reward, batch_size=n)
 
     test_step = validation_step
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_records = []
+
+    def on_validation_epoch_end(self) -> None:
+        """Print exact match and F1 overall and by number of chunks; save them as JSON."""
+        if self.trainer.sanity_checking or not self._val_records:
+            return
+        step = self.global_step if self.trainer.state.fn == "fit" else self._checkpoint_step
+        report = evaluation_report(self._val_records, step=step, model=self.model_name_or_path)
+        log_dir = self.trainer.log_dir or self.trainer.default_root_dir
+        if self.trainer.is_global_zero:
+            print(format_report(report))
+            path = Path(log_dir) / f"eval_report_step{step}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(report, indent=2) + "\n")
+
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_epoch_end = on_validation_epoch_end
 
     # ------------------------------------------------------------------ optimisation and state
     def configure_optimizers(self) -> Any:
@@ -516,3 +566,4 @@ class MemRLModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.workflow.load_state_dict(checkpoint.get("memrl_workflow", {}))
+        self._checkpoint_step = int(checkpoint.get("global_step", 0))  # validate does not restore it

@@ -179,3 +179,26 @@ def test_missing_model_stops_with_the_option_name(tmp_path):
     proc = _cli("fit", "--config", TINY, "--model.init_args.model_name_or_path", str(tmp_path / "nope"), cwd=tmp_path)
     assert proc.returncode != 0
     assert "model_name_or_path" in proc.stderr and "nope" in proc.stderr
+
+
+def test_validate_writes_report_and_plot_writes_pngs(trained, tmp_path):
+    proc = _ok(
+        _cli(
+            "validate", "--config", TINY, "--ckpt_path", str(_logs(trained) / "checkpoints" / "last.ckpt"), cwd=tmp_path
+        )
+    )
+    assert "exact_match" in proc.stdout and "chunks" in proc.stdout and "all" in proc.stdout
+    (report_path,) = list(_logs(tmp_path).glob("**/eval_report_step3.json"))  # the checkpoint's step
+    import json
+
+    report = json.loads(report_path.read_text())
+    by_chunks = report["by_num_chunks"]
+    assert sum(r["tasks"] for r in by_chunks.values()) == report["overall"]["tasks"] == 4  # limit_val_batches=1 x 4
+    assert set(by_chunks) <= {"2", "3"}
+    plotted = _ok(
+        _cli("plot", str(trained / "logs"), "--reports", str(report_path), "--out", str(tmp_path / "png"), cwd=tmp_path)
+    )
+    for name in ("learning_curves.png", "evaluation.png"):
+        png = tmp_path / "png" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+    assert "wrote" in plotted.stdout

@@ -1,0 +1,121 @@
+"""``lightning-memrl plot LOG_DIR``: PNG learning curves and a before/after evaluation chart."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+CURVES = [
+    ("train/reward", "reward (sampled)"),
+    ("train/kl", "KL to reference"),
+    ("train/response_length", "answer length (tokens)"),
+    ("train/memory_length", "memory length (tokens)"),
+]
+
+
+def read_metrics(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """All ``metrics.csv`` under ``log_dir`` merged into ``key -> [(step, value)]``."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    files = sorted(log_dir.glob("**/metrics.csv"))
+    if not files:
+        raise FileNotFoundError(f"{log_dir}: no metrics.csv below it; pass the folder a CSVLogger wrote to")
+    for path in files:
+        with open(path) as handle:
+            for row in csv.DictReader(handle):
+                for key, value in row.items():
+                    if key not in ("step", "epoch") and value not in ("", None):
+                        series.setdefault(key, []).append((int(row["step"]), float(value)))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def plot_learning_curves(series: dict[str, list[tuple[int, float]]], out: Path) -> Path:
+    """A 2×2 figure of reward, KL, answer and memory length against the optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, title) in zip(axes.flat, CURVES):
+        points = series.get(key, [])
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, color="tab:blue", alpha=0.35, label="per step")
+            window = max(1, len(values) // 10)
+            smooth = [
+                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))
+            ]
+            ax.plot(steps, smooth, color="tab:blue", label=f"mean of {window}")
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"{key} not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    if series.get("val/exact_match"):
+        ax = axes.flat[0]
+        steps, values = zip(*series["val/exact_match"])
+        ax.plot(steps, values, "o-", color="tab:green", label="val exact match (greedy)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_evaluation(reports: list[dict], labels: list[str], out: Path) -> Path:
+    """Grouped bars of exact match and F1, overall and by number of chunks, one bar per report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({k for r in reports for k in r["by_num_chunks"]}, key=int) + ["all"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(reports)
+    for ax, metric in zip(axes, ("exact_match", "f1")):
+        for i, (report, label) in enumerate(zip(reports, labels)):
+            rows = {**report["by_num_chunks"], "all": report["overall"]}
+            values = [100 * rows[g][metric] if g in rows else 0.0 for g in groups]
+            bars = ax.bar([x + i * width for x in range(len(groups))], values, width, label=label)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks([x + width * (len(reports) - 1) / 2 for x in range(len(groups))], [f"{g}" for g in groups])
+        ax.set_xlabel("chunks in the context")
+        ax.set_ylabel(f"{metric} (%)")
+        ax.set_ylim(0, 105)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    """Write ``learning_curves.png`` and, when evaluation reports exist, ``evaluation.png``."""
+    parser = argparse.ArgumentParser(prog="lightning-memrl plot", description=__doc__)
+    parser.add_argument("log_dir", type=Path, help="folder holding metrics.csv files (searched recursively)")
+    parser.add_argument(
+        "--reports",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="eval_report*.json files to compare (default: the first and last found in log_dir)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: log_dir)")
+    args = parser.parse_args(argv)
+    out_dir = args.out or args.log_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [plot_learning_curves(read_metrics(args.log_dir), out_dir / "learning_curves.png")]
+    report_files = args.reports
+    if report_files is None:
+        found = sorted(args.log_dir.glob("**/eval_report*.json"), key=lambda p: json.loads(p.read_text())["step"])
+        report_files = [found[0], found[-1]] if len(found) > 1 else found
+    if report_files:
+        reports = [json.loads(p.read_text()) for p in report_files]
+        labels = [f"step {r['step']}" for r in reports]
+        written.append(plot_evaluation(reports, labels, out_dir / "evaluation.png"))
+    for path in written:
+        print(f"wrote {path}")
+    return written
