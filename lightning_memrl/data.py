@@ -196,6 +196,22 @@ def _check_row(row: dict[str, Any], index: int, source: str, fields: dict[str, s
     return Task(question=question, context=context, answers=answers, id=task_id)
 
 
+def _has_no_rows(path: Path, builder: str) -> bool:
+    """True for an empty file, ``[]``, or a Parquet file with zero rows (datasets gives no clear error)."""
+    if path.stat().st_size == 0:
+        return True
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_metadata(path).num_rows == 0
+        except Exception:  # unreadable: datasets reports it below
+            return False
+    with open(path, "rb") as handle:
+        head = handle.read(4096)
+    return head.strip() in (b"", b"[]")
+
+
 def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> list[Task]:
     """Read tasks from a JSON, JSONL or Parquet file and check every row.
 
@@ -218,8 +234,8 @@ def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> lis
     builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(suffix)
     if builder is None:
         raise DataError(f"{path}: unsupported extension {suffix!r}; use .json, .jsonl or .parquet")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: the file is empty; it needs at least one task row")
+    if _has_no_rows(path, builder):
+        raise DataError(f"{path}: the file has no rows; it needs at least one task")
     import datasets
 
     try:

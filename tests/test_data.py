@@ -502,11 +502,6 @@ def test_empty_file(tmp_path, name, kind):
     assert str(path) in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: datasets raises before load_tasks' len(rows) == 0 check, so an "
-    "empty file is reported as 'cannot read as jsonl: ' (often with a blank reason), not as empty",
-)
 @pytest.mark.parametrize(
     ("name", "kind"), [("tasks.jsonl", "zero bytes"), ("tasks.json", "empty list"), ("tasks.parquet", "no rows")]
 )
