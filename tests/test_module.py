@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import AnswerLength
+from helpers import AnswerLength, quiet_trainer
 from lightning_memrl.callbacks import MemRLCallback
 
 from lightning_memrl import (
@@ -41,18 +41,7 @@ def _module(**grpo_kwargs):
     )
 
 
-def _trainer(tmp_path, steps=2, callbacks=()):
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-        callbacks=list(callbacks),
-    )
+_trainer = quiet_trainer
 
 
 def test_micro_batches_respect_budget_and_cover_rows():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-import lightning as L
 import pytest
 import torch
-from helpers import AnswerLength
+from helpers import AnswerLength, quiet_trainer
 
 from lightning_memrl import GenerationSettings, GRPOSettings, LoraSettings, MemAgentWorkflow, MemRLModule, Task
 from lightning_memrl.models import DEFAULT_MODEL, INSTALL_HINT, resolve_model_path
@@ -35,16 +34,7 @@ def test_lora_grpo_step_on_the_default_model(tmp_path):
             "What is the secret code of Alice?", ["The secret code of Alice is 4821.", "The bakery opened."], ["4821"]
         ),
     ]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, steps=1)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tasks, batch_size=1, collate_fn=list))
     assert trainer.global_step == 1
     after = dict(module.policy.named_parameters())
