@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,57 @@ class LoraSettings:
     target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
 
 
-def resolve_attn_implementation(requested: str, device: torch.device | str = "cpu") -> str:
-    """``auto`` → ``flash_attention_2`` on CUDA with flash-attn installed, else ``sdpa``."""
+@dataclass
+class QuantizationSettings:
+    """Load the base weights quantised by bitsandbytes (QLoRA); needs ``lora`` (4-bit weights are frozen).
+
+    The names follow transformers' ``BitsAndBytesConfig``.
+
+    Args:
+        load_in_4bit: 4-bit base weights.
+        bnb_4bit_quant_type: ``nf4`` (QLoRA) or ``fp4``.
+        bnb_4bit_compute_dtype: dtype of the de-quantised matrix products: ``bfloat16``, ``float16`` or ``float32``.
+        bnb_4bit_use_double_quant: also quantise the quantisation constants (saves ~0.4 bit per weight).
+    """
+
+    load_in_4bit: bool = True
+    bnb_4bit_quant_type: str = "nf4"
+    bnb_4bit_compute_dtype: str = "bfloat16"
+    bnb_4bit_use_double_quant: bool = True
+
+    def to_bnb_config(self) -> Any:
+        """The matching ``transformers.BitsAndBytesConfig``."""
+        from transformers import BitsAndBytesConfig
+
+        if not self.load_in_4bit:
+            raise ValueError("model.init_args.quantization.load_in_4bit must be true (4-bit QLoRA is supported)")
+        if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
+            raise ValueError(
+                f"model.init_args.quantization.bnb_4bit_quant_type must be 'nf4' or 'fp4', "
+                f"got {self.bnb_4bit_quant_type!r}"
+            )
+        if self.bnb_4bit_compute_dtype not in _DTYPES:
+            raise ValueError(
+                f"model.init_args.quantization.bnb_4bit_compute_dtype must be one of {sorted(_DTYPES)}, "
+                f"got {self.bnb_4bit_compute_dtype!r}"
+            )
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.bnb_4bit_quant_type,
+            bnb_4bit_compute_dtype=_DTYPES[self.bnb_4bit_compute_dtype],
+            bnb_4bit_use_double_quant=self.bnb_4bit_use_double_quant,
+        )
+
+
+def resolve_attn_implementation(requested: str, device: torch.device | str | None = None) -> str:
+    """``auto`` → ``flash_attention_2`` on CUDA with flash-attn installed, else ``sdpa``.
+
+    ``device`` defaults to CUDA when it is available.
+    """
     if requested != "auto":
         return requested
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
@@ -200,8 +248,10 @@ def load_policy(
     lora: LoraSettings | None = None,
     gradient_checkpointing: bool = False,
     seed: int = 0,
+    quantization: QuantizationSettings | None = None,
+    empty_weights: bool = False,
 ) -> Any:
-    """Load the policy, optionally with LoRA adapters and gradient checkpointing.
+    """Load the policy, optionally with LoRA adapters, 4-bit base weights and gradient checkpointing.
 
     Args:
         name_or_path: hub id, local path, or ``tiny``.
@@ -211,23 +261,55 @@ def load_policy(
         lora: adapter settings, or None to train all weights.
         gradient_checkpointing: recompute activations in backward (non-reentrant).
         seed: weight seed of ``tiny``.
+        quantization: 4-bit base weights (QLoRA); needs ``lora``.
+        empty_weights: build the architecture on the meta device without reading weights (the
+            sharded loader fills it from rank 0).
     """
+    if quantization is not None and lora is None:
+        raise ValueError(
+            "model.init_args.quantization needs model.init_args.lora: 4-bit base weights cannot be trained; "
+            "add e.g. lora: {r: 16, alpha: 32}"
+        )
+    if quantization is not None and (name_or_path == TINY or empty_weights):
+        raise ValueError(
+            "model.init_args.quantization needs a saved model (a hub id or a local directory), "
+            f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
+        )
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     torch_dtype = _DTYPES[dtype]
     attn = resolve_attn_implementation(attn_implementation)
     if name_or_path == TINY:
-        model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
+        with torch.device("meta") if empty_weights else nullcontext():
+            model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
         model.config._attn_implementation = attn
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        extra: dict[str, Any] = {}
+        if quantization is not None:
+            extra["quantization_config"] = quantization.to_bnb_config()
+            if torch.cuda.is_available():  # quantise while loading onto this process's GPU
+                extra["device_map"] = {"": torch.cuda.current_device()}
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn
-            )
+            if empty_weights:
+                config = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
+                )
         except OSError as err:
             raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
+    if quantization is not None:  # QLoRA: norms in fp32, input grads on, checkpointing non-reentrant
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # generation turns it back on per call
@@ -243,5 +325,6 @@ def load_policy(
             target_modules=lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, config)
+        with torch.device("meta") if empty_weights else nullcontext():
+            model = get_peft_model(model, config)
     return model

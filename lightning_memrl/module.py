@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_memrl import grpo
+from lightning_memrl import distributed, grpo
 from lightning_memrl.data import Task
-from lightning_memrl.models import LoraSettings, load_policy, load_tokenizer
+from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.rewards import ExactMatch, RewardFunction, answer_from_completion, exact_match, token_f1
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
@@ -141,6 +141,7 @@ class MemRLModule(L.LightningModule):
         attn_implementation: ``auto`` (flash_attention_2 on CUDA when installed, else sdpa),
             ``sdpa``, ``eager``, ...
         lora: LoRA adapter settings; None trains every weight.
+        quantization: 4-bit (NF4) base weights through bitsandbytes, trained with ``lora`` (QLoRA).
         gradient_checkpointing: recompute activations in the backward pass.
         workflow: how tasks become trajectories (default: MemAgent).
         rewards: reward functions, summed with their weights (default: exact match).
@@ -157,6 +158,7 @@ class MemRLModule(L.LightningModule):
         dtype: str = "float32",
         attn_implementation: str = "auto",
         lora: LoraSettings | None = None,
+        quantization: QuantizationSettings | None = None,
         gradient_checkpointing: bool = False,
         workflow: Workflow | None = None,
         rewards: list[RewardFunction] | None = None,
@@ -172,6 +174,7 @@ class MemRLModule(L.LightningModule):
         self.model_name_or_path, self.dtype_name = model_name_or_path, dtype
         self.attn_implementation, self.lora = attn_implementation, lora
         self.gradient_checkpointing, self.seed = gradient_checkpointing, seed
+        self.quantization = quantization
         self.workflow = workflow or MemAgentWorkflow()
         self.reward_functions = rewards or [ExactMatch()]
         self.generation = generation or GenerationSettings()
@@ -195,24 +198,47 @@ class MemRLModule(L.LightningModule):
     def configure_model(self) -> None:
         """Load tokenizer, policy and (only when ``kl_coef > 0`` and no LoRA) the reference.
 
-        Idempotent: Lightning calls it for every fit/validate/test/predict.
+        Idempotent: Lightning calls it for every fit/validate/test/predict. Under
+        ``ModelParallelStrategy`` both models are loaded on rank 0, and every decoder layer and
+        then the root are sharded with ``fully_shard`` (see ``lightning_memrl.distributed``).
         """
         if self.policy is not None:
             return
+        mesh = self._device_mesh["data_parallel"] if self._device_mesh is not None else None
+        if mesh is not None and self.quantization is not None:
+            raise ValueError("model.init_args.quantization cannot be combined with ModelParallelStrategy sharding")
+        if mesh is not None:
+            distributed.allow_classes_of(dict(self.hparams))  # sharded checkpoints load with weights_only=True
+
+        def load(reference: bool = False) -> Any:
+            def build(empty_weights: bool = False) -> Any:
+                if reference:
+                    return load_policy(
+                        self.model_name_or_path,
+                        self.tokenizer,
+                        self.dtype_name,
+                        self.attn_implementation,
+                        seed=self.seed,
+                        empty_weights=empty_weights,
+                    )
+                return load_policy(
+                    self.model_name_or_path,
+                    self.tokenizer,
+                    self.dtype_name,
+                    self.attn_implementation,
+                    self.lora,
+                    self.gradient_checkpointing,
+                    self.seed,
+                    self.quantization,
+                    empty_weights=empty_weights,
+                )
+
+            return build() if mesh is None else distributed.load_sharded(build, mesh)
+
         self.tokenizer = load_tokenizer(self.model_name_or_path)
-        self.policy = load_policy(
-            self.model_name_or_path,
-            self.tokenizer,
-            self.dtype_name,
-            self.attn_implementation,
-            self.lora,
-            self.gradient_checkpointing,
-            self.seed,
-        )
+        self.policy = load()
         if self.grpo.kl_coef > 0 and self.lora is None:
-            reference = load_policy(
-                self.model_name_or_path, self.tokenizer, self.dtype_name, self.attn_implementation, seed=self.seed
-            )
+            reference = load(reference=True)
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
@@ -230,7 +256,8 @@ class MemRLModule(L.LightningModule):
         use_cache = self.policy.config.use_cache
         self.policy.config.use_cache = True
         try:
-            trajectories = self.workflow.rollout(self.engine, tasks, settings)
+            with distributed.unsharded_for_rollout(self.policy):  # sharded: gathered once, no collectives
+                trajectories = self.workflow.rollout(self.engine, tasks, settings)
         finally:
             self.policy.config.use_cache = use_cache
             self.policy.train(was_training)
@@ -368,6 +395,7 @@ class MemRLModule(L.LightningModule):
         )
         lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
         batches = micro_batches(lengths, g.micro_batch_tokens)
+        batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
 
         def rows(idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:
             width = int(rollouts.response_mask[idx].sum(-1).max())  # trim shared padding
@@ -407,7 +435,7 @@ class MemRLModule(L.LightningModule):
                 logprobs, entropy = self.sequence_logprobs(self.policy, prompts, ids, m, with_entropy=True)
                 m_dev = m.to(self.device).bool()
                 old = old_lp[b] if need_old else logprobs.detach()
-                if epoch == 0:  # how far the trainer's log-probs are from the sampler's
+                if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
                     rollout_lp = rollouts.rollout_logprobs[idx, :width].to(self.device)
                     logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
                 loss, stats = self.policy_loss(
@@ -419,15 +447,15 @@ class MemRLModule(L.LightningModule):
                     entropy,
                     m_dev,
                 )
+                if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
+                    loss, stats = loss * 0.0, {}
                 self.manual_backward(loss)
                 loss_total += float(loss.detach())
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             if g.max_grad_norm > 0:
-                grad_norm = float(
-                    torch.nn.utils.clip_grad_norm_(
-                        [p for p in self.policy.parameters() if p.requires_grad], g.max_grad_norm
-                    )
+                grad_norm = distributed.clip_grad_norm(
+                    [p for p in self.policy.parameters() if p.requires_grad], g.max_grad_norm
                 )
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -492,7 +520,7 @@ class MemRLModule(L.LightningModule):
         for name, values in rollouts.reward_components.items():
             scored = values[~torch.isnan(values)]
             metrics[f"train/reward/{name}"] = float(scored.mean()) if scored.numel() else math.nan
-        self.log_dict(metrics, batch_size=rollouts.num_trajectories)
+        self.log_dict(metrics, batch_size=rollouts.num_trajectories, sync_dist=distributed.is_distributed())
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=rollouts.num_trajectories)
 
     # ------------------------------------------------------------------ validation
@@ -527,10 +555,13 @@ class MemRLModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Print exact match and F1 overall and by number of chunks; save them as JSON."""
-        if self.trainer.sanity_checking or not self._val_records:
+        if self.trainer.sanity_checking:
+            return
+        records = distributed.gather_objects(self._val_records)  # every rank's tasks
+        if not records:
             return
         step = self.global_step if self.trainer.state.fn == "fit" else self._checkpoint_step
-        report = evaluation_report(self._val_records, step=step, model=self.model_name_or_path)
+        report = evaluation_report(records, step=step, model=self.model_name_or_path)
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
         if self.trainer.is_global_zero:
             print(format_report(report))
