@@ -17,6 +17,8 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
+from lightning_memrl.locomo import LoCoMoSettings, load_locomo
+
 log = logging.getLogger(__name__)
 
 
@@ -255,8 +257,12 @@ class MemRLDataModule(L.LightningDataModule):
     """Training and validation tasks from files or from the synthetic generator.
 
     Args:
-        train_path: JSON/JSONL/Parquet file of training tasks; None uses ``synthetic``.
-        val_path: file of validation tasks; None uses ``synthetic_val``.
+        train_path: JSON/JSONL/Parquet file of training tasks; None uses ``locomo_path``, else ``synthetic``.
+        val_path: file of validation tasks; None uses ``locomo_path``, else ``synthetic_val``.
+        locomo_path: a LoCoMo JSON file or folder (see ``lightning_memrl.locomo``) used for the
+            splits that have no ``train_path``/``val_path``.
+        locomo: which LoCoMo questions train (categories, session and question caps, conversation ids).
+        locomo_val: which LoCoMo questions validate (default: the same as ``locomo``).
         field_map: maps ``question``, ``context``, ``answers``, ``id`` to column names.
         synthetic: generator settings of training tasks when ``train_path`` is None.
         synthetic_val: generator settings of validation tasks when ``val_path`` is None (use a
@@ -272,6 +278,9 @@ class MemRLDataModule(L.LightningDataModule):
         train_path: str | None = None,
         val_path: str | None = None,
         field_map: dict[str, str] | None = None,
+        locomo_path: str | None = None,
+        locomo: LoCoMoSettings | None = None,
+        locomo_val: LoCoMoSettings | None = None,
         synthetic: SyntheticTaskConfig | None = None,
         synthetic_val: SyntheticTaskConfig | None = None,
         batch_size: int = 2,
@@ -281,6 +290,8 @@ class MemRLDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.train_path, self.val_path, self.field_map = train_path, val_path, field_map
+        self.locomo_path, self.locomo = locomo_path, locomo or LoCoMoSettings()
+        self.locomo_val = locomo_val or self.locomo
         self.synthetic = synthetic or SyntheticTaskConfig()
         self.synthetic_val = synthetic_val or SyntheticTaskConfig(num_tasks=16, seed=self.synthetic.seed + 1000)
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
@@ -294,12 +305,16 @@ class MemRLDataModule(L.LightningDataModule):
             self.train_tasks = (
                 load_tasks(self.train_path, self.field_map)
                 if self.train_path
+                else load_locomo(self.locomo_path, self.locomo)
+                if self.locomo_path
                 else generate_synthetic_tasks(self.synthetic)
             )
         if not self.val_tasks:
             self.val_tasks = (
                 load_tasks(self.val_path, self.field_map)
                 if self.val_path
+                else load_locomo(self.locomo_path, self.locomo_val)
+                if self.locomo_path
                 else generate_synthetic_tasks(self.synthetic_val)
             )
         if stage in (None, "fit") and len(self.train_tasks) < self.batch_size:

@@ -1,0 +1,287 @@
+"""LoCoMo: long multi-session conversations with questions, loaded as the project's tasks.
+
+A LoCoMo file holds one conversation (``speaker_a``, ``speaker_b``, ``session_N`` turn lists with
+``dia_id``, ``session_N_date_time``) and its ``qa`` list (``question``, ``answer``, ``evidence``
+dia_ids, ``category``). The original release's layout (a list of ``{"sample_id",
+"conversation", "qa"}`` objects) is read too. Each question becomes a :class:`~lightning_memrl.data.Task`
+whose ``context`` is the list of session transcripts (so MemAgent reads one session per chunk)
+and whose ``meta`` carries the parsed :class:`Conversation`, the category and the evidence ids
+(what Memory-R1 and RMM build their memory banks from and score retrieval against).
+
+Category 5 (adversarial, unanswerable) is left out by default, as in Memory-R1; everything left
+out (by category, by the session cap, by the question cap) is counted and logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # data.py imports this module for its settings type: import it lazily here
+    from lightning_memrl.data import Task
+
+log = logging.getLogger(__name__)
+
+UNANSWERABLE = "Not mentioned in the conversation"
+_SESSION_KEY = re.compile(r"session_(\d+)")
+_DIA_ID = re.compile(r"D:?(\d+):(\d+)")
+
+
+@dataclass
+class DialogTurn:
+    """One utterance of a session."""
+
+    dia_id: str  # e.g. "D3:7" (session 3, turn 7)
+    speaker: str
+    text: str
+    caption: str = ""  # caption of a shared photo (LoCoMo's blip_caption)
+
+    def render(self) -> str:
+        """``[D3:7] Caroline: text [shares a photo: caption]``."""
+        photo = f" [shares a photo: {self.caption}]" if self.caption else ""
+        return f"[{self.dia_id}] {self.speaker}: {self.text}{photo}"
+
+
+@dataclass
+class Session:
+    """One dated session of a conversation."""
+
+    index: int  # N of session_N
+    date_time: str
+    turns: list[DialogTurn] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"session_{self.index}"
+
+    def render(self, turns: list[DialogTurn] | None = None) -> str:
+        """The transcript (of ``turns``, default all) headed by the session's date."""
+        lines = [f"{self.name} ({self.date_time})"] + [t.render() for t in (self.turns if turns is None else turns)]
+        return "\n".join(lines)
+
+
+@dataclass
+class Conversation:
+    """A LoCoMo conversation: two speakers and their sessions in order."""
+
+    id: str
+    speaker_a: str
+    speaker_b: str
+    sessions: list[Session] = field(default_factory=list)
+
+    @property
+    def dia_ids(self) -> set[str]:
+        return {t.dia_id for s in self.sessions for t in s.turns}
+
+
+@dataclass
+class LoCoMoSettings:
+    """Which LoCoMo questions become tasks.
+
+    Args:
+        categories: question categories to keep (1-4 by default; 5 is adversarial).
+        max_sessions: keep the first N sessions of each conversation, and only the questions
+            whose evidence lies in them (None: all sessions). Caps the cost of building a bank.
+        max_questions: keep at most this many questions per conversation, in file order.
+        conversations: conversation ids to keep (file stems or ``sample_id``s; None: all).
+    """
+
+    categories: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    max_sessions: int | None = None
+    max_questions: int | None = None
+    conversations: list[str] | None = None
+
+
+def _data_error(message: str) -> Exception:
+    """A :class:`lightning_memrl.data.DataError` (imported lazily: data.py imports this module)."""
+    from lightning_memrl.data import DataError as _DataError
+
+    return _DataError(message)
+
+
+def normalize_evidence(raw: Any) -> list[str]:
+    """Evidence ids as ``D<session>:<turn>``: ``"D8:6; D9:17"`` is split, ``"D:11:26"`` fixed."""
+    items = raw if isinstance(raw, list) else [raw]
+    out: list[str] = []
+    for item in items:
+        for part in re.split(r"[;,\s]+", str(item)):
+            match = _DIA_ID.fullmatch(part.strip())
+            out.append(f"D{match.group(1)}:{match.group(2)}" if match else part.strip())
+    return [e for e in dict.fromkeys(out) if e]
+
+
+def session_of(dia_id: str) -> int | None:
+    """Session number of a ``dia_id`` (``D3:7`` -> 3), None when it is malformed."""
+    match = _DIA_ID.fullmatch(dia_id)
+    return int(match.group(1)) if match else None
+
+
+def _parse_conversation(obj: Any, conv_id: str, source: str) -> Conversation:
+    if not isinstance(obj, dict):
+        raise _data_error(f"{source}: expected a JSON object with speaker_a, speaker_b and session_N keys")
+    for key in ("speaker_a", "speaker_b"):
+        if not isinstance(obj.get(key), str) or not obj[key].strip():
+            raise _data_error(f"{source}: field '{key}' is missing or empty")
+    indices = sorted(int(m.group(1)) for k in obj if (m := _SESSION_KEY.fullmatch(k)))
+    if not indices:
+        raise _data_error(f"{source}: no session_N fields; a LoCoMo conversation needs at least one session")
+    sessions = []
+    for n in indices:
+        key = f"session_{n}"
+        turns_raw = obj[key]
+        if not isinstance(turns_raw, list):
+            raise _data_error(f"{source}: field '{key}' must be a list of turns")
+        turns = []
+        for i, turn in enumerate(turns_raw):
+            where = f"{source}: {key}[{i}]"
+            if not isinstance(turn, dict):
+                raise _data_error(f"{where}: a turn must be an object with speaker, dia_id and text")
+            for name in ("speaker", "dia_id", "text"):
+                if not isinstance(turn.get(name), str) or (name != "text" and not turn[name].strip()):
+                    raise _data_error(f"{where}: field '{name}' is missing or not a string")
+            turns.append(
+                DialogTurn(turn["dia_id"].strip(), turn["speaker"], turn["text"], turn.get("blip_caption") or "")
+            )
+        date = obj.get(f"{key}_date_time", "")
+        sessions.append(Session(n, str(date), turns))
+    return Conversation(conv_id, obj["speaker_a"], obj["speaker_b"], sessions)
+
+
+def _read_file(path: Path) -> list[tuple[Conversation, list[Any], str]]:
+    """(conversation, raw qa list, source label) for every conversation in one file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _data_error(f"{path}: cannot read as JSON: {err}") from err
+    if isinstance(data, dict):
+        items, original_layout = [data], False
+    elif isinstance(data, list):
+        items, original_layout = data, True
+    else:
+        raise _data_error(f"{path}: expected a JSON object (one conversation) or a list of them")
+    out = []
+    for index, item in enumerate(items):
+        source = f"{path}" if not original_layout else f"{path}: [{index}]"
+        if original_layout and isinstance(item, dict) and "conversation" in item:
+            conv_id, conv_obj = str(item.get("sample_id", f"{path.stem}-{index}")), item["conversation"]
+        else:
+            conv_id = str(item.get("sample_id", path.stem if not original_layout else f"{path.stem}-{index}"))
+            conv_obj = item
+        conversation = _parse_conversation(conv_obj, conv_id, source)
+        qa = item.get("qa") if isinstance(item, dict) else None
+        if not isinstance(qa, list):
+            raise _data_error(f"{source}: field 'qa' is missing or not a list of questions")
+        out.append((conversation, qa, source))
+    return out
+
+
+def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> list[Task]:
+    """Read LoCoMo conversations (one file, or every ``*.json`` in a folder) into tasks.
+
+    Args:
+        path: a LoCoMo JSON file or a folder of them.
+        settings: which questions to keep.
+
+    Raises:
+        DataError: missing path, unreadable file, or a conversation/question with a missing or
+            mistyped field (the message names the file, the item and the field).
+    """
+    from lightning_memrl.data import Task
+
+    settings = settings or LoCoMoSettings()
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.json"))
+        if not files:
+            raise _data_error(f"{path}: folder has no *.json LoCoMo files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise _data_error(f"{path}: no such file or folder. Set --data.init_args.locomo_path to LoCoMo JSON data.")
+    if settings.max_sessions is not None and settings.max_sessions < 1:
+        raise _data_error(f"locomo.max_sessions must be >= 1 or null, got {settings.max_sessions}")
+    wanted = set(settings.conversations) if settings.conversations is not None else None
+    tasks: list[Task] = []
+    skipped: Counter[str] = Counter()
+    unknown_evidence = 0
+    seen_ids: set[str] = set()
+    for file in files:
+        for conversation, qa, source in _read_file(file):
+            seen_ids.add(conversation.id)
+            if wanted is not None and conversation.id not in wanted:
+                continue
+            if settings.max_sessions is not None:
+                conversation.sessions = conversation.sessions[: settings.max_sessions]
+            last_session = conversation.sessions[-1].index
+            known_ids = conversation.dia_ids
+            kept_here = 0
+            for i, row in enumerate(qa):
+                where = f"{source}: qa[{i}]"
+                if not isinstance(row, dict):
+                    raise _data_error(
+                        f"{where}: a question must be an object with question, answer, evidence, category"
+                    )
+                question, category = row.get("question"), row.get("category")
+                if not isinstance(question, str) or not question.strip():
+                    raise _data_error(f"{where}: field 'question' is missing or empty")
+                if isinstance(category, bool) or not isinstance(category, int):
+                    raise _data_error(f"{where}: field 'category' must be an integer, got {category!r}")
+                if category not in settings.categories:
+                    skipped[f"category {category}"] += 1
+                    continue
+                answer = row.get("answer")
+                if answer is None and category == 5:
+                    answer = UNANSWERABLE
+                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+                    raise _data_error(f"{where}: field 'answer' must be a non-empty string or number, got {answer!r}")
+                evidence = normalize_evidence(row.get("evidence", []))
+                sessions = [session_of(e) for e in evidence]
+                if any(s is not None and s > last_session for s in sessions):
+                    skipped["evidence after max_sessions"] += 1
+                    continue
+                if settings.max_questions is not None and kept_here >= settings.max_questions:
+                    skipped["over max_questions"] += 1
+                    continue
+                unknown_evidence += sum(e not in known_ids for e in evidence)
+                answer_text = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
+                tasks.append(
+                    Task(
+                        question=question.strip(),
+                        context=[s.render() for s in conversation.sessions],
+                        answers=[answer_text],
+                        id=f"{conversation.id}:qa{i}",
+                        meta={
+                            "conversation": conversation,
+                            "conversation_id": conversation.id,
+                            "category": category,
+                            "evidence": evidence,
+                        },
+                    )
+                )
+                kept_here += 1
+    if wanted is not None and wanted - seen_ids:
+        raise _data_error(
+            f"{path}: locomo.conversations names unknown ids {sorted(wanted - seen_ids)}; have {sorted(seen_ids)}"
+        )
+    by_category = Counter(t.meta["category"] for t in tasks)
+    log.info(
+        "LoCoMo %s: %d questions kept %s; left out: %s",
+        path,
+        len(tasks),
+        dict(sorted(by_category.items())),
+        dict(skipped) or "none",
+    )
+    if unknown_evidence:
+        log.warning(
+            "LoCoMo %s: %d evidence ids name no turn of their conversation (kept, never retrievable)",
+            path,
+            unknown_evidence,
+        )
+    if not tasks:
+        raise _data_error(f"{path}: no LoCoMo question left after filtering ({dict(skipped)}); widen locomo settings")
+    return tasks
