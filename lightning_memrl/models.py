@@ -84,6 +84,38 @@ class QuantizationSettings:
         )
 
 
+def fast_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether bf16 matrix products are faster than fp32 on ``device`` (default: CUDA if present, else CPU).
+
+    True on CUDA GPUs with bf16 support and on CPUs with AMX or AVX512-BF16. On other CPUs (e.g.
+    AVX2-only) bf16 is emulated and many times slower than fp32.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+
+
+def resolve_dtype(requested: str, frozen_base: bool, device: torch.device | str | None = None) -> torch.dtype:
+    """Weight dtype from its name; ``auto`` picks the fastest correct one.
+
+    ``auto`` gives bf16 only when the base weights are frozen (LoRA: the trainable adapters stay
+    fp32, so no master copy is needed) and the hardware has fast bf16 (:func:`fast_bf16`);
+    otherwise fp32, which full fine-tuning needs as master weights.
+
+    Args:
+        requested: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+        frozen_base: the base weights are not trained (LoRA / QLoRA).
+        device: where the model runs (default: CUDA if present, else CPU).
+    """
+    if requested == "auto":
+        return torch.bfloat16 if frozen_base and fast_bf16(device) else torch.float32
+    if requested not in _DTYPES:
+        raise ValueError(f"model.init_args.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {requested!r}")
+    return _DTYPES[requested]
+
+
 def resolve_attn_implementation(requested: str, device: torch.device | str | None = None) -> str:
     """``auto`` → ``flash_attention_2`` on CUDA with flash-attn installed, else ``sdpa``.
 
@@ -256,7 +288,7 @@ def load_policy(
     Args:
         name_or_path: hub id, local path, or ``tiny``.
         tokenizer: the matching tokenizer (``tiny`` builds its vocabulary from it).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` weights.
+        dtype: ``auto`` (see :func:`resolve_dtype`), ``float32``, ``bfloat16`` or ``float16`` weights.
         attn_implementation: ``auto``, ``sdpa``, ``eager``, ``flash_attention_2``, ...
         lora: adapter settings, or None to train all weights.
         gradient_checkpointing: recompute activations in backward (non-reentrant).
@@ -275,9 +307,7 @@ def load_policy(
             "model.init_args.quantization needs a saved model (a hub id or a local directory), "
             f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
         )
-    if dtype not in _DTYPES:
-        raise ValueError(f"model dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
     attn = resolve_attn_implementation(attn_implementation)
     if name_or_path == TINY:
         with torch.device("meta") if empty_weights else nullcontext():

@@ -136,8 +136,10 @@ class MemRLModule(L.LightningModule):
 
     Args:
         model_name_or_path: policy as a hub id or local path, or ``tiny`` (random, offline).
-        dtype: weight dtype: ``float32``, ``bfloat16`` or ``float16``. For bf16 compute with fp32
-            master weights keep ``float32`` and set ``trainer.precision: bf16-mixed``.
+        dtype: weight dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16``. ``auto`` is bf16
+            for a frozen LoRA base on hardware with fast bf16 (AMX, AVX512-BF16, CUDA) and fp32
+            otherwise. For bf16 compute with fp32 master weights in a full fine-tune keep
+            ``float32`` and set ``trainer.precision: bf16-mixed``.
         attn_implementation: ``auto`` (flash_attention_2 on CUDA when installed, else sdpa),
             ``sdpa``, ``eager``, ...
         lora: LoRA adapter settings; None trains every weight.
