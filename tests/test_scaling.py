@@ -1,0 +1,171 @@
+"""Memory and speed options: QLoRA (4-bit base + LoRA), gradient checkpointing, attention choice."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from helpers import AnswerLength, quiet_trainer
+
+from lightning_memrl import (
+    GenerationSettings,
+    GRPOSettings,
+    LoraSettings,
+    MemAgentWorkflow,
+    MemRLDataModule,
+    MemRLModule,
+    OptimizerSettings,
+    SyntheticTaskConfig,
+)
+from lightning_memrl.models import QuantizationSettings, build_tiny_model, load_policy, resolve_attn_implementation
+
+
+def _data() -> MemRLDataModule:
+    return MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=4, sentences_per_chunk=1))
+
+
+def _module(**kwargs) -> MemRLModule:
+    return MemRLModule(
+        workflow=MemAgentWorkflow(max_memory_tokens=8),
+        rewards=[AnswerLength()],
+        generation=GenerationSettings(temperature=1.0, max_new_tokens=8),
+        optimizer=OptimizerSettings(lr=1e-2),
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory, tiny_tokenizer):
+    """The tiny model saved as a normal model folder (quantisation loads through from_pretrained)."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    build_tiny_model(tiny_tokenizer, seed=0).save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_qlora_loads_4bit_trains_adapters_and_keeps_base_frozen(saved_tiny, tmp_path):
+    from bitsandbytes.nn import Linear4bit
+
+    quant = QuantizationSettings(bnb_4bit_compute_dtype="float32")
+    module = _module(
+        model_name_or_path=saved_tiny,
+        lora=LoraSettings(r=4, alpha=8),
+        quantization=quant,
+        grpo=GRPOSettings(group_size=2, kl_coef=0.1),
+    )
+    module.configure_model()
+    assert module._reference is None  # the reference is the 4-bit base with adapters disabled
+    layers = [m for m in module.policy.modules() if isinstance(m, Linear4bit)]
+    assert len(layers) == 14  # 7 projections x 2 layers
+    base_before = {id(m): m.weight.detach().clone() for m in layers}
+    assert all(m.weight.dtype == torch.uint8 for m in layers)
+    adapters_before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert adapters_before and all("lora_" in n for n in adapters_before)
+
+    trainer = quiet_trainer(tmp_path, steps=1)
+    trainer.fit(module, _data())
+    logged = trainer.logged_metrics
+    assert math.isfinite(float(logged["train/loss"])) and math.isfinite(float(logged["train/kl"]))
+    after = dict(module.policy.named_parameters())
+    assert any(not torch.equal(adapters_before[n], after[n]) for n in adapters_before)
+    for m in layers:  # still 4-bit, bit for bit
+        assert isinstance(m, Linear4bit) and m.weight.dtype == torch.uint8
+        assert torch.equal(m.weight, base_before[id(m)])
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        adapted = module.policy(input_ids=ids).logits
+        with module.reference_context():
+            reference = module.policy(input_ids=ids).logits
+    assert torch.isfinite(reference).all() and not torch.allclose(reference, adapted)
+
+
+def test_quantization_errors_name_the_option(saved_tiny, tiny_tokenizer):
+    with pytest.raises(ValueError, match="quantization needs model.init_args.lora"):
+        load_policy(saved_tiny, tiny_tokenizer, quantization=QuantizationSettings())
+    with pytest.raises(ValueError, match="needs a saved model"):
+        load_policy("tiny", tiny_tokenizer, lora=LoraSettings(), quantization=QuantizationSettings())
+    with pytest.raises(ValueError, match="bnb_4bit_quant_type must be 'nf4' or 'fp4'"):
+        QuantizationSettings(bnb_4bit_quant_type="int3").to_bnb_config()
+    config = QuantizationSettings().to_bnb_config()
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.bnb_4bit_use_double_quant
+
+
+def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None):
+    """Loss and LoRA gradients of one GRPO update on fixed rollouts (optimizer step captured)."""
+    module = _module(
+        lora=LoraSettings(r=4, alpha=8),
+        gradient_checkpointing=gradient_checkpointing,
+        grpo=GRPOSettings(group_size=2, kl_coef=0.1, max_grad_norm=0.0),
+    )
+    module.configure_model()
+    if lora_state is None:
+        torch.manual_seed(1)
+        with torch.no_grad():  # non-zero lora_B so every adapter gets a gradient
+            for name, p in module.policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    else:
+        module.policy.load_state_dict(lora_state, strict=False)
+    if rollouts is None:
+        data = _data()
+        data.setup()
+        torch.manual_seed(0)
+        rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
+        rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+        rollouts.trajectory_advantages = module.compute_advantages(rollouts)
+        per_turn = rollouts.trajectory_advantages[rollouts.turn_to_trajectory]
+        rollouts.advantages = per_turn[:, None] * rollouts.response_mask
+
+    captured = {}
+
+    class _Opt:
+        param_groups = [{"lr": 0.0}]
+
+        def step(self):
+            captured.update({n: p.grad.clone() for n, p in module.policy.named_parameters() if p.requires_grad})
+
+        def zero_grad(self, set_to_none=True):
+            module.policy.zero_grad(set_to_none=True)
+
+    opt = _Opt()
+    module.optimizers = lambda: opt
+    module.lr_schedulers = lambda: None
+    module.manual_backward = lambda loss: loss.backward()
+    mlp = module.policy.get_base_model().model.layers[0].mlp  # inside the checkpointed layer
+    calls, forward = [], mlp.forward
+
+    def counting_forward(*args, **kwargs):  # module hooks do not fire in the recomputation, forward does
+        calls.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    mlp.forward = counting_forward
+    stats = module.update(rollouts)
+    state = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "lora_" in n}
+    return stats, captured, rollouts, state, calls
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    stats_off, grads_off, rollouts, lora_state, calls_off = _update_grads(False)
+    stats_on, grads_on, _, _, calls_on = _update_grads(True, rollouts, lora_state)
+    # checkpointing runs layer 0 again in backward: one more forward call of its MLP per micro-batch
+    assert len(calls_on) > len(calls_off)
+    assert stats_on["loss"] == pytest.approx(stats_off["loss"], rel=1e-5, abs=1e-7)
+    assert stats_on["kl"] == pytest.approx(stats_off["kl"], rel=1e-4, abs=1e-7)
+    assert grads_off and set(grads_on) == set(grads_off)
+    assert any(g.abs().sum() > 0 for g in grads_off.values())
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_attn_auto_picks_flash_attention_on_cuda_when_installed(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name))
+    assert resolve_attn_implementation("auto", "cuda") == "flash_attention_2"
+    assert resolve_attn_implementation("auto", "cpu") == "sdpa"
+    assert resolve_attn_implementation("eager", "cuda") == "eager"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name))
+    assert resolve_attn_implementation("auto", "cuda") == "sdpa"
