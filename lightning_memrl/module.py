@@ -27,7 +27,14 @@ from torchmetrics import MeanMetric
 from lightning_memrl import distributed, grpo
 from lightning_memrl.data import Task
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
-from lightning_memrl.rewards import ExactMatch, RewardFunction, answer_from_completion, exact_match, token_f1
+from lightning_memrl.rewards import (
+    ExactMatch,
+    RewardFunction,
+    answer_from_completion,
+    check_answer_pattern,
+    exact_match,
+    token_f1,
+)
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
@@ -149,6 +156,9 @@ class MemRLModule(L.LightningModule):
         rewards: reward functions, summed with their weights (default: exact match).
         generation: sampling settings of training rollouts.
         val_max_new_tokens: answer cap of greedy validation rollouts (default: generation's).
+        answer_pattern: regular expression that picks the answer out of a final response for
+            validation's exact match and F1 (e.g. ``\\b\\d{4}\\b``); None scores the whole
+            ``\\boxed{}`` content or text. Reward functions take their own ``answer_pattern``.
         grpo: GRPO options.
         optimizer: optimizer and schedule.
         seed: seed of the ``tiny`` model's weights.
@@ -166,6 +176,7 @@ class MemRLModule(L.LightningModule):
         rewards: list[RewardFunction] | None = None,
         generation: GenerationSettings | None = None,
         val_max_new_tokens: int | None = None,
+        answer_pattern: str | None = None,
         grpo: GRPOSettings | None = None,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
@@ -181,6 +192,8 @@ class MemRLModule(L.LightningModule):
         self.reward_functions = rewards or [ExactMatch()]
         self.generation = generation or GenerationSettings()
         self.val_max_new_tokens = val_max_new_tokens
+        check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
+        self.answer_pattern = answer_pattern
         self.grpo = grpo or GRPOSettings()
         self.optim = optimizer or OptimizerSettings()
         names = [r.name for r in self.reward_functions]
@@ -537,7 +550,7 @@ class MemRLModule(L.LightningModule):
             rollouts = self.rollout(list(batch), settings)
         self.score(rollouts)
         for trajectory in rollouts.trajectories:
-            answer = answer_from_completion(trajectory.final_text)
+            answer = answer_from_completion(trajectory.final_text, self.answer_pattern)
             em, f1 = exact_match(answer, trajectory.task.answers), token_f1(answer, trajectory.task.answers)
             self.val_exact_match.update(em)
             self.val_f1.update(f1)

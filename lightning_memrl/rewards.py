@@ -65,10 +65,35 @@ def token_f1(prediction: str, answers: list[str]) -> float:
     return best
 
 
-def answer_from_completion(completion: str) -> str:
-    r"""The answer a completion gives: its last ``\boxed{}`` content, else the whole text."""
+def answer_from_completion(completion: str, answer_pattern: str | None = None) -> str:
+    r"""The answer a completion gives.
+
+    Its last ``\boxed{}`` content, else the whole text. With ``answer_pattern`` (a regular
+    expression) the answer is the pattern's first match in the boxed content or text (its first
+    group when it has one), and ``""`` when nothing matches.
+
+    Args:
+        completion: the decoded final response.
+        answer_pattern: e.g. ``\b\d{4}\b`` for a four-digit code; None keeps the whole answer.
+    """
     boxed = extract_boxed(completion)
-    return boxed if boxed is not None else completion.strip()
+    answer = boxed if boxed is not None else completion.strip()
+    if answer_pattern is None:
+        return answer
+    match = re.search(answer_pattern, answer)
+    if match is None:
+        return ""
+    return (match.group(1) if match.groups() else match.group(0)).strip()
+
+
+def check_answer_pattern(answer_pattern: str | None, option: str) -> None:
+    """Fail early, naming ``option``, when ``answer_pattern`` is not a valid regular expression."""
+    if answer_pattern is None:
+        return
+    try:
+        re.compile(answer_pattern)
+    except re.error as err:
+        raise ValueError(f"{option}: {answer_pattern!r} is not a valid regular expression ({err})") from err
 
 
 class RewardFunction:
@@ -77,13 +102,21 @@ class RewardFunction:
     Args:
         weight: multiplies the score before the weighted sum over reward functions.
         name: key under which the score is logged (``train/reward/<name>``).
+        answer_pattern: regular expression that picks the answer out of the completion (see
+            :func:`answer_from_completion`); None scores the whole ``\boxed{}`` content or text.
     """
 
     default_name = "reward"
 
-    def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
+    def __init__(self, weight: float = 1.0, name: str | None = None, answer_pattern: str | None = None) -> None:
         self.weight = weight
         self.name = name or self.default_name
+        check_answer_pattern(answer_pattern, f"reward {self.name}: answer_pattern")
+        self.answer_pattern = answer_pattern
+
+    def answer(self, completion: str) -> str:
+        """The answer this function scores (:func:`answer_from_completion` with its pattern)."""
+        return answer_from_completion(completion, self.answer_pattern)
 
     def score(self, completion: str, answers: list[str]) -> float | None:
         """Score one final completion against its gold answers."""
@@ -100,18 +133,21 @@ class ExactMatch(RewardFunction):
         require_boxed: score 0 when the completion has no ``\boxed{}`` (MemAgent's rule).
         weight: weight in the sum of reward functions.
         name: log key.
+        answer_pattern: regular expression that picks the answer out (None: the whole answer).
     """
 
     default_name = "exact_match"
 
-    def __init__(self, require_boxed: bool = False, weight: float = 1.0, name: str | None = None) -> None:
-        super().__init__(weight, name)
+    def __init__(
+        self, require_boxed: bool = False, weight: float = 1.0, name: str | None = None, answer_pattern: str | None = None
+    ) -> None:
+        super().__init__(weight, name, answer_pattern)
         self.require_boxed = require_boxed
 
     def score(self, completion: str, answers: list[str]) -> float | None:
         if self.require_boxed and extract_boxed(completion) is None:
             return 0.0
-        return exact_match(answer_from_completion(completion), answers)
+        return exact_match(self.answer(completion), answers)
 
 
 class SubExactMatch(RewardFunction):
@@ -120,7 +156,7 @@ class SubExactMatch(RewardFunction):
     default_name = "sub_em"
 
     def score(self, completion: str, answers: list[str]) -> float | None:
-        return sub_exact_match(answer_from_completion(completion), answers)
+        return sub_exact_match(self.answer(completion), answers)
 
 
 class TokenF1(RewardFunction):
@@ -129,7 +165,7 @@ class TokenF1(RewardFunction):
     default_name = "f1"
 
     def score(self, completion: str, answers: list[str]) -> float | None:
-        return token_f1(answer_from_completion(completion), answers)
+        return token_f1(self.answer(completion), answers)
 
 
 class BoxedFormat(RewardFunction):
