@@ -139,7 +139,11 @@ class ExactMatch(RewardFunction):
     default_name = "exact_match"
 
     def __init__(
-        self, require_boxed: bool = False, weight: float = 1.0, name: str | None = None, answer_pattern: str | None = None
+        self,
+        require_boxed: bool = False,
+        weight: float = 1.0,
+        name: str | None = None,
+        answer_pattern: str | None = None,
     ) -> None:
         super().__init__(weight, name, answer_pattern)
         self.require_boxed = require_boxed
