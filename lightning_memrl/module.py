@@ -26,15 +26,9 @@ from torchmetrics import MeanMetric
 
 from lightning_memrl import distributed, grpo
 from lightning_memrl.data import Task
+from lightning_memrl.evaluation import bleu1
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
-from lightning_memrl.rewards import (
-    ExactMatch,
-    RewardFunction,
-    answer_from_completion,
-    check_answer_pattern,
-    exact_match,
-    token_f1,
-)
+from lightning_memrl.rewards import ExactMatch, RewardFunction, answer_from_completion, exact_match, token_f1
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
@@ -113,28 +107,60 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
-def evaluation_report(records: list[tuple[int, float, float]], **info: Any) -> dict[str, Any]:
-    """Exact match and F1 overall and by number of chunks from ``(chunks, em, f1)`` records."""
+def evaluation_report(records: list[tuple], **info: Any) -> dict[str, Any]:
+    """Exact match, F1 and extra metrics overall, by number of chunks and (when tasks have one) by category.
 
-    def summary(rows: list[tuple[int, float, float]]) -> dict[str, float]:
-        return {
+    A record is ``(chunks, em, f1)`` or ``(chunks, em, f1, extras)``; ``extras`` maps metric names to
+    numbers (None: not measured for that task, left out of its mean) and may hold ``category``.
+    """
+
+    def extras(r: tuple) -> dict[str, Any]:
+        return r[3] if len(r) > 3 else {}
+
+    names = list(dict.fromkeys(k for r in records for k in extras(r) if k != "category"))
+
+    def summary(rows: list[tuple]) -> dict[str, float]:
+        out = {
             "tasks": len(rows),
             "exact_match": sum(r[1] for r in rows) / len(rows),
             "f1": sum(r[2] for r in rows) / len(rows),
         }
+        for name in names:
+            values = [extras(r)[name] for r in rows if extras(r).get(name) is not None]
+            if values:
+                out[name] = sum(values) / len(values)
+        return out
 
     by_chunks = {str(n): summary([r for r in records if r[0] == n]) for n in sorted({r[0] for r in records})}
-    return {**info, "overall": summary(records), "by_num_chunks": by_chunks}
+    report = {**info, "overall": summary(records), "by_num_chunks": by_chunks}
+    categories = sorted({extras(r).get("category") for r in records} - {None}, key=str)
+    if categories:
+        report["by_category"] = {
+            str(c): summary([r for r in records if extras(r).get("category") == c]) for c in categories
+        }
+    return report
 
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a text table."""
-    lines = [
-        f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')})",
-        f"{'chunks':>8} {'tasks':>6} {'exact_match':>12} {'f1':>7}",
-    ]
-    for key, row in [*report["by_num_chunks"].items(), ("all", report["overall"])]:
-        lines.append(f"{key:>8} {row['tasks']:>6} {100 * row['exact_match']:>11.1f}% {100 * row['f1']:>6.1f}%")
+    extra = [k for k in report["overall"] if k not in ("tasks", "exact_match", "f1")]
+
+    def table(title: str, rows: dict[str, dict[str, float]]) -> list[str]:
+        out = [
+            f"{title:>8} {'tasks':>6} {'exact_match':>12} {'f1':>7}" + "".join(f" {k:>{max(len(k), 7)}}" for k in extra)
+        ]
+        for key, row in [*rows.items(), ("all", report["overall"])]:
+            line = f"{key:>8} {row['tasks']:>6} {100 * row['exact_match']:>11.1f}% {100 * row['f1']:>6.1f}%"
+            for k in extra:
+                width = max(len(k), 7) - 1
+                line += f" {100 * row[k]:>{width}.1f}%" if k in row else " " * (width + 2)
+            out.append(line)
+        return out
+
+    lines = [f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')})"]
+    lines += table("chunks", report["by_num_chunks"])
+    if "by_category" in report:
+        lines += table("category", report["by_category"])
     return "\n".join(lines)
 
 
@@ -156,9 +182,6 @@ class MemRLModule(L.LightningModule):
         rewards: reward functions, summed with their weights (default: exact match).
         generation: sampling settings of training rollouts.
         val_max_new_tokens: answer cap of greedy validation rollouts (default: generation's).
-        answer_pattern: regular expression that picks the answer out of a final response for
-            validation's exact match and F1 (e.g. ``\\b\\d{4}\\b``); None scores the whole
-            ``\\boxed{}`` content or text. Reward functions take their own ``answer_pattern``.
         grpo: GRPO options.
         optimizer: optimizer and schedule.
         seed: seed of the ``tiny`` model's weights.
@@ -176,7 +199,6 @@ class MemRLModule(L.LightningModule):
         rewards: list[RewardFunction] | None = None,
         generation: GenerationSettings | None = None,
         val_max_new_tokens: int | None = None,
-        answer_pattern: str | None = None,
         grpo: GRPOSettings | None = None,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
@@ -192,8 +214,6 @@ class MemRLModule(L.LightningModule):
         self.reward_functions = rewards or [ExactMatch()]
         self.generation = generation or GenerationSettings()
         self.val_max_new_tokens = val_max_new_tokens
-        check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
-        self.answer_pattern = answer_pattern
         self.grpo = grpo or GRPOSettings()
         self.optim = optimizer or OptimizerSettings()
         names = [r.name for r in self.reward_functions]
@@ -208,6 +228,9 @@ class MemRLModule(L.LightningModule):
         self.val_exact_match, self.val_f1, self.val_reward = MeanMetric(), MeanMetric(), MeanMetric()
         self._val_records: list[tuple[int, float, float]] = []  # (chunks read, EM, F1) per task
         self._checkpoint_step = 0  # step of the checkpoint a validate/test run loaded
+        # trainable parts of the workflow (e.g. RMM's reranker): registered, so they reach the
+        # optimizer and the checkpoint; the workflow object itself stays a plain object
+        self.workflow_modules = torch.nn.ModuleDict(self.workflow.torch_modules())
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
@@ -391,6 +414,10 @@ class MemRLModule(L.LightningModule):
         rollouts.advantages = per_turn.unsqueeze(-1) * rollouts.response_mask  # [M, T]
         for callback in self._memrl_callbacks():  # (f)
             callback.on_advantages(self.trainer, self, rollouts)
+        auxiliary = self.workflow.auxiliary_loss(rollouts)  # e.g. a reranker's REINFORCE loss
+        if auxiliary is not None:  # its gradients join the policy's first optimizer step
+            self.manual_backward(auxiliary[0])
+            self.log_dict({f"train/{k}": v for k, v in auxiliary[1].items()}, batch_size=rollouts.num_trajectories)
         update_start = time.perf_counter()
         update_stats = self.update(rollouts)  # (g)
         update_time = time.perf_counter() - update_start
@@ -550,11 +577,13 @@ class MemRLModule(L.LightningModule):
             rollouts = self.rollout(list(batch), settings)
         self.score(rollouts)
         for trajectory in rollouts.trajectories:
-            answer = answer_from_completion(trajectory.final_text, self.answer_pattern)
+            answer = answer_from_completion(trajectory.final_text)
             em, f1 = exact_match(answer, trajectory.task.answers), token_f1(answer, trajectory.task.answers)
             self.val_exact_match.update(em)
             self.val_f1.update(f1)
-            self._val_records.append((len(trajectory.chunks), em, f1))
+            extras = {"category": trajectory.task.meta.get("category"), "bleu1": bleu1(answer, trajectory.task.answers)}
+            extras.update(self.workflow.evaluation_metrics(trajectory))
+            self._val_records.append((len(trajectory.chunks), em, f1, extras))
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
@@ -591,7 +620,11 @@ class MemRLModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         o = self.optim
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        groups: list[dict[str, Any]] = [{"params": params}]
+        extra = [p for p in self.workflow_modules.parameters() if p.requires_grad]
+        if extra:  # the workflow's own modules, at their own learning rate
+            groups.append({"params": extra, "lr": self.workflow.module_lr or o.lr})
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
         if o.schedule not in ("constant", "cosine"):
             raise ValueError(f"model.optimizer.schedule must be 'constant' or 'cosine', got {o.schedule!r}")

@@ -40,10 +40,12 @@ DEFAULT_ANSWER_TEMPLATE = (
 class Turn:
     """One conversation of a trajectory: the exact prompt and generated token ids."""
 
-    kind: str  # MEMORY_TURN or ANSWER_TURN
+    kind: str  # MEMORY_TURN or ANSWER_TURN (or a workflow's own kind, e.g. "extract")
     prompt_ids: list[int]
     generation: Generation
     text: str = ""  # decoded response (for rewards and logs only; never re-tokenised)
+    trainable: bool = True  # False: a frozen agent's turn, left out of the update (no loss)
+    reward: float = 0.0  # per-turn reward (e.g. a format penalty), summed into the trajectory's
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Trajectory:
     memories: list[str] = field(default_factory=list)  # memory text after each memory turn
     chunks: list[str] = field(default_factory=list)  # the chunks the agent read, in order
     chunks_dropped: int = 0
+    info: dict[str, Any] = field(default_factory=dict)  # workflow extras (retrieved ids, op counts, ...)
 
     @property
     def final_text(self) -> str:
@@ -88,8 +91,8 @@ class RolloutBatch:
 
     @classmethod
     def from_trajectories(cls, trajectories: list[Trajectory], group_size: int, pad_id: int) -> RolloutBatch:
-        """Flatten the turns of ``trajectories`` into padded tensors."""
-        turns = [(i, t) for i, traj in enumerate(trajectories) for t in traj.turns]
+        """Flatten the trainable turns of ``trajectories`` into padded tensors."""
+        turns = [(i, t) for i, traj in enumerate(trajectories) for t in traj.turns if t.trainable]
         width = max((len(t.generation.token_ids) for _, t in turns), default=1) or 1
         num_turns = len(turns)
         response_ids = torch.full((num_turns, width), pad_id, dtype=torch.long)
@@ -110,7 +113,7 @@ class RolloutBatch:
             turn_to_trajectory=torch.tensor([i for i, _ in turns], dtype=torch.long),
             memory_tokens_mask=torch.tensor([t.kind == MEMORY_TURN for _, t in turns], dtype=torch.bool),
             truncated=torch.tensor([t.generation.truncated for _, t in turns], dtype=torch.bool),
-            turn_rewards=torch.zeros(num_turns),
+            turn_rewards=torch.tensor([float(t.reward) for _, t in turns]),
         )
 
     @property
@@ -131,6 +134,22 @@ class Workflow:
 
     def state_dict(self) -> dict[str, Any]:
         """State saved in checkpoints (e.g. a memory store)."""
+        return {}
+
+    module_lr: float | None = None  # learning rate of torch_modules' parameters (None: the policy's)
+
+    def torch_modules(self) -> dict[str, torch.nn.Module]:
+        """Trainable modules of the workflow (e.g. a reranker); ``MemRLModule`` registers them, so
+        their parameters reach the optimizer (lr ``module_lr``) and the checkpoint."""
+        return {}
+
+    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor, dict[str, float]] | None:
+        """A loss for :meth:`torch_modules` from the last training rollout, with metrics to log
+        (``train/<name>``); backpropagated before the policy's first optimizer step."""
+        return None
+
+    def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
+        """Extra per-task numbers for the evaluation report (e.g. evidence recall)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

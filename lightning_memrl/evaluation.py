@@ -1,0 +1,134 @@
+"""Question-answering metrics beyond exact match and F1: BLEU-1, evidence recall, an LLM judge.
+
+Exact match and token F1 live in :mod:`lightning_memrl.rewards` (they are also rewards). Here are
+the other numbers LoCoMo papers report: BLEU-1 of the answer, evidence recall (did retrieval show
+the agent the turns that support the answer) and an optional LLM-as-judge score from any
+OpenAI-compatible chat endpoint (off unless configured; nothing here touches the network by itself).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from lightning_memrl.rewards import normalize_answer
+
+log = logging.getLogger(__name__)
+
+
+def bleu1(prediction: str, answers: list[str]) -> float:
+    """Best BLEU-1 over gold answers: clipped unigram precision × brevity penalty (SQuAD-normalised words).
+
+    ``BP = 1`` when the prediction is longer than the reference, else ``exp(1 - r / c)``.
+    """
+    pred = normalize_answer(prediction).split()
+    if not pred:
+        return 0.0
+    best = 0.0
+    for answer in answers:
+        ref = normalize_answer(answer).split()
+        if not ref:
+            continue
+        overlap = sum((Counter(pred) & Counter(ref)).values())
+        brevity = 1.0 if len(pred) > len(ref) else math.exp(1 - len(ref) / len(pred))
+        best = max(best, brevity * overlap / len(pred))
+    return best
+
+
+def evidence_recall(retrieved_source_ids: list[str] | set[str], evidence: list[str]) -> float | None:
+    """Share of the ``evidence`` ids found among the source ids of what was retrieved (None: no evidence)."""
+    if not evidence:
+        return None
+    shown = set(retrieved_source_ids)
+    return sum(e in shown for e in evidence) / len(evidence)
+
+
+DEFAULT_JUDGE_PROMPT = (
+    "Label an answer to a question about a long conversation as CORRECT or WRONG.\n"
+    "Question: {question}\nGold answer: {gold}\nGenerated answer: {prediction}\n\n"
+    "Be generous: the generated answer is CORRECT if it refers to the same thing or the same time as "
+    'the gold answer, even when it is longer or worded differently. Reply with JSON: {{"label": "CORRECT"}} '
+    'or {{"label": "WRONG"}}.'
+)
+
+Transport = Callable[[str, dict[str, str], dict[str, Any]], dict[str, Any]]
+
+
+def _http_post(url: str, headers: dict[str, str], payload: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - user-configured endpoint
+        return json.loads(response.read().decode())
+
+
+class LLMJudge:
+    """LLM-as-judge over an OpenAI-compatible ``/chat/completions`` endpoint (used only when configured).
+
+    Args:
+        base_url: endpoint root, e.g. ``http://localhost:8000/v1``.
+        model: model name sent in the request.
+        api_key_env: environment variable holding the API key (unset: no Authorization header).
+        prompt: template with ``{question}``, ``{gold}``, ``{prediction}``.
+        timeout: seconds per request.
+        transport: ``(url, headers, payload) -> response JSON``; default: an HTTP POST. Tests
+            pass a fake one.
+
+    Calling it returns 1.0 (CORRECT), 0.0 (WRONG) or None when the call or its reply failed
+    (counted in ``failures`` and logged, never raised).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key_env: str = "OPENAI_API_KEY",
+        prompt: str = DEFAULT_JUDGE_PROMPT,
+        timeout: float = 60.0,
+        transport: Transport | None = None,
+    ) -> None:
+        missing = [k for k in ("{question}", "{gold}", "{prediction}") if k not in prompt]
+        if missing:
+            raise ValueError(f"LLMJudge prompt lacks the placeholders {missing}")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.api_key_env, self.prompt, self.timeout = model, api_key_env, prompt, timeout
+        self.transport = transport
+        self.calls = 0
+        self.failures = 0
+
+    def __call__(self, question: str, gold: list[str], prediction: str) -> float | None:
+        self.calls += 1
+        payload = {
+            "model": self.model,
+            "temperature": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": self.prompt.format(question=question, gold=" / ".join(gold), prediction=prediction),
+                }
+            ],
+        }
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get(self.api_key_env):
+            headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
+        try:
+            if self.transport is not None:
+                response = self.transport(self.url, headers, payload)
+            else:
+                response = _http_post(self.url, headers, payload, self.timeout)
+            reply = str(response["choices"][0]["message"]["content"])
+        except Exception as err:  # network, HTTP or reply-shape errors: count, do not crash evaluation
+            self.failures += 1
+            log.warning("LLM judge call %d failed (%d failures so far): %s", self.calls, self.failures, err)
+            return None
+        label = re.search(r"\b(CORRECT|WRONG)\b", reply.upper())
+        if label is None:
+            self.failures += 1
+            log.warning("LLM judge reply has no CORRECT/WRONG label: %.80r", reply)
+            return None
+        return 1.0 if label.group(1) == "CORRECT" else 0.0
