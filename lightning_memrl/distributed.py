@@ -124,7 +124,65 @@ def is_fsdp2(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: nn.Module, mesh: Any, reshard_after_forward: bool = True) -> nn.Module:
+def _model_parallel_base() -> type:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FSDP2Strategy(_model_parallel_base()):  # type: ignore[misc]
+    """``ModelParallelStrategy`` for pure data parallelism: every process of every node is one FSDP rank.
+
+    ``data_parallel_size`` is the world size (``num_nodes × devices``) and ``tensor_parallel_size``
+    1, whatever the node count, so one config runs on 1 or N nodes. Optional FSDP2 mixed
+    precision: with ``param_dtype: bfloat16`` the weights stay fp32 in their shards (the
+    optimizer's master copy) and are gathered, computed with and generated from in bf16;
+    gradients are reduced in ``reduce_dtype``.
+
+    Args:
+        param_dtype: dtype weights are gathered in (``bfloat16``, ``float16``); None keeps theirs.
+        reduce_dtype: dtype of the gradient reduce-scatter; None uses ``param_dtype``.
+        reshard_after_forward: free gathered weights after each forward (True, ZeRO-3) or keep
+            them until backward (False, ZeRO-2: more memory, fewer all-gathers).
+        **kwargs: passed to ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``timeout``, ...).
+    """
+
+    def __init__(
+        self,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = "float32",
+        reshard_after_forward: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("data_parallel_size", None)
+        kwargs.pop("tensor_parallel_size", None)
+        super().__init__(data_parallel_size=1, tensor_parallel_size=1, **kwargs)
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"trainer.strategy.init_args.{name} must be one of {sorted(_DTYPES)} or null")
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`shard_model` (mixed precision, resharding)."""
+        if self.param_dtype is None:
+            return {"reshard_after_forward": self.reshard_after_forward}
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        reduce = _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
+        policy = MixedPrecisionPolicy(param_dtype=_DTYPES[self.param_dtype], reduce_dtype=reduce)
+        return {"reshard_after_forward": self.reshard_after_forward, "mp_policy": policy}
+
+
+def shard_model(model: nn.Module, mesh: Any, reshard_after_forward: bool = True, mp_policy: Any = None) -> nn.Module:
     """``fully_shard`` every decoder layer of ``model`` and then ``model`` itself; idempotent.
 
     Args:
@@ -132,18 +190,22 @@ def shard_model(model: nn.Module, mesh: Any, reshard_after_forward: bool = True)
         mesh: the 1-D data-parallel device mesh (``module.device_mesh["data_parallel"]``).
         reshard_after_forward: free the gathered weights after each forward (ZeRO-3); False keeps
             them between forward and backward (ZeRO-2, more memory, fewer all-gathers).
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (None: compute in the weights' dtype).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if is_fsdp2(model):
         return model
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy}
+    if mp_policy is None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
-def load_sharded(load: Callable[[bool], nn.Module], mesh: Any, reshard_after_forward: bool = True) -> nn.Module:
+def load_sharded(load: Callable[[bool], nn.Module], mesh: Any, **shard_kwargs: Any) -> nn.Module:
     """Load a model with one full copy of its weights in host memory, on rank 0, and shard it.
 
     ``load(empty_weights)`` builds the model: with real weights on rank 0, on the meta device on
@@ -151,7 +213,7 @@ def load_sharded(load: Callable[[bool], nn.Module], mesh: Any, reshard_after_for
     allocate their shards and receive rank 0's weights (``set_model_state_dict`` with
     ``broadcast_from_rank0``), and buffers that are not in the state dict (rotary tables) are
     broadcast too. Parameters not loaded from disk (LoRA initialisation) thereby come from rank
-    0 as well, so every rank starts from the same model.
+    0 as well, so every rank starts from the same model. ``shard_kwargs`` go to :func:`shard_model`.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -159,7 +221,7 @@ def load_sharded(load: Callable[[bool], nn.Module], mesh: Any, reshard_after_for
     model = load(rank != 0)
     full_state = model.state_dict() if rank == 0 else {}
     persistent = set(model.state_dict().keys())
-    shard_model(model, mesh, reshard_after_forward)
+    shard_model(model, mesh, **shard_kwargs)
     device = _mesh_device(mesh)
     if rank != 0:
         model.to_empty(device=device)  # allocate this rank's shards; values come from rank 0

@@ -271,7 +271,11 @@ class MemRLModule(L.LightningModule):
                     empty_weights=empty_weights,
                 )
 
-            return build() if mesh is None else distributed.load_sharded(build, mesh)
+            if mesh is None:
+                return build()
+            strategy = self.trainer.strategy if self._trainer is not None else None
+            shard_kwargs = strategy.fsdp_kwargs() if isinstance(strategy, distributed.FSDP2Strategy) else {}
+            return distributed.load_sharded(build, mesh, **shard_kwargs)
 
         self.tokenizer = load_tokenizer(self.model_name_or_path)
         self.policy = load()

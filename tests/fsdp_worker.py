@@ -1,6 +1,7 @@
 """Two-process FSDP2 run of the tiny model on CPU (gloo), driven by tests/test_distributed.py.
 
-``python tests/fsdp_worker.py OUT_DIR`` trains 2 steps with ``ModelParallelStrategy`` (Lightning
+``python tests/fsdp_worker.py OUT_DIR`` trains 2 steps with ``FSDP2Strategy`` (Lightning's
+``ModelParallelStrategy`` with data_parallel_size = world size, tensor_parallel_size = 1; Lightning
 relaunches this script for rank 1), saves a sharded checkpoint, resumes it for a third step, and
 writes what each rank saw to ``OUT_DIR/rank{R}.pt``.
 """
@@ -14,7 +15,6 @@ import lightning as L
 import torch
 from helpers import AnswerLength
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_memrl.callbacks import MemRLCallback
 
 from lightning_memrl import (
@@ -26,7 +26,7 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskConfig,
 )
-from lightning_memrl.distributed import is_unsharded
+from lightning_memrl.distributed import FSDP2Strategy, is_unsharded
 
 
 def full_weights(module: MemRLModule) -> dict[str, torch.Tensor]:
@@ -50,6 +50,7 @@ class Recorder(MemRLCallback):
         ref = module._reference
         self.record.setdefault("reference_dtensor", all(type(p).__name__ == "DTensor" for p in ref.parameters()))
         self.record.setdefault("initial", full_weights(module))
+        self.record.setdefault("mesh", dict(zip(module.device_mesh.mesh_dim_names, module.device_mesh.shape)))
         self.record.setdefault("buffers", {k: v.clone() for k, v in policy.named_buffers()})
         self.record[f"start_{trainer.max_steps}"] = full_weights(module)
 
@@ -72,7 +73,7 @@ def trainer(out: Path, steps: int, recorder: Recorder) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        strategy=FSDP2Strategy(),
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,

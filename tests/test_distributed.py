@@ -46,6 +46,7 @@ def fsdp_run(tmp_path_factory):
 def test_fsdp2_parameters_are_dtensors_holding_half_the_rows(fsdp_run):
     ranks, _ = fsdp_run
     assert ranks[0]["world_size"] == 2
+    assert ranks[0]["mesh"] == {"data_parallel": 2, "tensor_parallel": 1}
     for record in ranks:
         assert record["is_dtensor"] and record["reference_dtensor"]  # the full reference copy is sharded too
         for name, (full, local) in record["shapes"].items():
