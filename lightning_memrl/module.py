@@ -28,7 +28,14 @@ from lightning_memrl import distributed, grpo
 from lightning_memrl.data import Task
 from lightning_memrl.evaluation import bleu1
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
-from lightning_memrl.rewards import ExactMatch, RewardFunction, answer_from_completion, exact_match, token_f1
+from lightning_memrl.rewards import (
+    ExactMatch,
+    RewardFunction,
+    answer_from_completion,
+    check_answer_pattern,
+    exact_match,
+    token_f1,
+)
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
@@ -182,6 +189,9 @@ class MemRLModule(L.LightningModule):
         rewards: reward functions, summed with their weights (default: exact match).
         generation: sampling settings of training rollouts.
         val_max_new_tokens: answer cap of greedy validation rollouts (default: generation's).
+        answer_pattern: regular expression that picks the answer out of a final response for
+            validation's exact match and F1 (e.g. ``\\b\\d{4}\\b``); None scores the whole
+            ``\\boxed{}`` content or text. Reward functions take their own ``answer_pattern``.
         grpo: GRPO options.
         optimizer: optimizer and schedule.
         seed: seed of the ``tiny`` model's weights.
@@ -199,6 +209,7 @@ class MemRLModule(L.LightningModule):
         rewards: list[RewardFunction] | None = None,
         generation: GenerationSettings | None = None,
         val_max_new_tokens: int | None = None,
+        answer_pattern: str | None = None,
         grpo: GRPOSettings | None = None,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
@@ -214,6 +225,8 @@ class MemRLModule(L.LightningModule):
         self.reward_functions = rewards or [ExactMatch()]
         self.generation = generation or GenerationSettings()
         self.val_max_new_tokens = val_max_new_tokens
+        check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
+        self.answer_pattern = answer_pattern
         self.grpo = grpo or GRPOSettings()
         self.optim = optimizer or OptimizerSettings()
         names = [r.name for r in self.reward_functions]
@@ -420,7 +433,8 @@ class MemRLModule(L.LightningModule):
             callback.on_advantages(self.trainer, self, rollouts)
         auxiliary = self.workflow.auxiliary_loss(rollouts)  # e.g. a reranker's REINFORCE loss
         if auxiliary is not None:  # its gradients join the policy's first optimizer step
-            self.manual_backward(auxiliary[0])
+            if auxiliary[0] is not None:
+                self.manual_backward(auxiliary[0])
             self.log_dict({f"train/{k}": v for k, v in auxiliary[1].items()}, batch_size=rollouts.num_trajectories)
         update_start = time.perf_counter()
         update_stats = self.update(rollouts)  # (g)
@@ -581,7 +595,7 @@ class MemRLModule(L.LightningModule):
             rollouts = self.rollout(list(batch), settings)
         self.score(rollouts)
         for trajectory in rollouts.trajectories:
-            answer = answer_from_completion(trajectory.final_text)
+            answer = answer_from_completion(trajectory.final_text, self.answer_pattern)
             em, f1 = exact_match(answer, trajectory.task.answers), token_f1(answer, trajectory.task.answers)
             self.val_exact_match.update(em)
             self.val_f1.update(f1)

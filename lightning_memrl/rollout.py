@@ -43,6 +43,22 @@ class Generation:
     truncated: bool  # hit max_new_tokens without EOS or a stop string
 
 
+def selected_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """Log-probs of ``token_ids`` under ``logits / temperature``, computed in fp32.
+
+    Args:
+        logits: raw scores, any dtype.  # [..., V]
+        token_ids: the tokens to score.  # [...]
+        temperature: divides the logits (the sampler's temperature; 1 when greedy).
+
+    Returns:
+        fp32 log-probs.  # [...]
+    """
+    logits = logits.float() / temperature
+    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
 class RolloutEngine:
     """Batched sampling with left padding and the KV cache of ``model.generate``.
 
@@ -103,10 +119,13 @@ class RolloutEngine:
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_ids = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, S]
         scale = 1.0 if greedy else settings.temperature
-        logits = torch.stack(out.logits, dim=1).float()  # [B, S, V] raw (unprocessed) logits
-        logprobs = torch.log_softmax(logits / scale, dim=-1)
-        token_logprobs = logprobs.gather(-1, new_ids.to(logprobs.device).unsqueeze(-1)).squeeze(-1).cpu()
-        del logits, logprobs
+        token_logprobs = torch.stack(  # [B, S]; one step's [B, V] logits in fp32 at a time, never [B, S, V]
+            [
+                selected_logprobs(step_logits, new_ids[:, step].to(step_logits.device), scale)
+                for step, step_logits in enumerate(out.logits)
+            ],
+            dim=1,
+        ).cpu()
         return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
 
     def _cut(self, ids: Tensor, logprobs: Tensor, settings: GenerationSettings) -> Generation:
