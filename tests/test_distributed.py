@@ -148,3 +148,29 @@ def test_single_process_helpers_are_no_ops(tiny_model):
     classes = allow_classes_of({"generation": GenerationSettings(), "lora": None, "lr": 1e-5})
     assert classes == [GenerationSettings]
     assert GenerationSettings in torch.serialization.get_safe_globals()
+
+
+def test_multi_node_configs_parse_with_print_config(tmp_path):
+    exe = Path(sys.executable).with_name("lightning-memrl")
+    recipe = str(TESTS.parent / "configs" / "memagent_qwen2.5_7b_fsdp.yaml")
+    fsdp1 = str(TESTS.parent / "configs" / "fsdp1_strategy.yaml")
+    args = [str(exe), "fit", "--config", recipe, "--trainer.num_nodes", "2", "--print_config"]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for key in (
+        "class_path: lightning_memrl.distributed.FSDP2Strategy",
+        "param_dtype: bfloat16",
+        "num_nodes: 2",
+        "devices: 8",
+        "model_name_or_path: Qwen/Qwen2.5-7B-Instruct",
+        "attn_implementation: auto",
+        "gradient_checkpointing: true",
+        "group_size: 16",
+    ):
+        assert key in proc.stdout, key
+    composed = subprocess.run(
+        [*args[:4], "--config", fsdp1, "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert composed.returncode == 0, composed.stderr[-3000:]
+    assert "class_path: lightning_memrl.distributed.DecoderLayerFSDPStrategy" in composed.stdout
+    assert "activation_checkpointing: true" in composed.stdout and "precision: bf16-mixed" in composed.stdout
