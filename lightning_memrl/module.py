@@ -455,6 +455,12 @@ class MemRLModule(L.LightningModule):
         )
         lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
         batches = micro_batches(lengths, g.micro_batch_tokens)
+        if not batches and not distributed.is_distributed():  # no trainable turn (e.g. only frozen agents spoke)
+            opt.step()  # still one step: global_step advances, a workflow module's gradients apply
+            opt.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            return {"loss": 0.0, "grad_norm": 0.0, "reference_time": 0.0, "logprob_gap": 0.0, "micro_batches": 0.0}
         batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
 
         def rows(idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:

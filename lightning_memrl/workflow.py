@@ -121,6 +121,15 @@ class RolloutBatch:
         return len(self.trajectories)
 
 
+def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
+    """Prompt ids of one user message (through the chat template when the tokenizer has one)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": text})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 class Workflow:
     """How tasks are turned into trajectories. Subclass and implement :meth:`rollout`."""
 
@@ -143,9 +152,9 @@ class Workflow:
         their parameters reach the optimizer (lr ``module_lr``) and the checkpoint."""
         return {}
 
-    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor, dict[str, float]] | None:
-        """A loss for :meth:`torch_modules` from the last training rollout, with metrics to log
-        (``train/<name>``); backpropagated before the policy's first optimizer step."""
+    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
+        """A loss for :meth:`torch_modules` from the last training rollout (or None), with metrics to
+        log (``train/<name>``); backpropagated before the policy's first optimizer step."""
         return None
 
     def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
@@ -206,11 +215,7 @@ class MemAgentWorkflow(Workflow):
 
     def encode_prompt(self, text: str, tokenizer: Any) -> list[int]:
         """Prompt ids of one user message (through the chat template when there is one)."""
-        if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            messages.append({"role": "user", "content": text})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode_chat_prompt(text, tokenizer, self.system_prompt)
 
     def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         tokenizer = engine.tokenizer

@@ -1,0 +1,239 @@
+"""What Memory-R1 and RMM share: LoCoMo conversations cut into segments, memory banks, frozen parts.
+
+Both paradigms first turn a conversation into a :class:`~lightning_memrl.memory_bank.MemoryBank`
+(Memory-R1: extract facts, then one ADD/UPDATE/DELETE/NOOP per fact; RMM: summarise topics, then
+add or merge each), then answer a question from retrieved entries. A part that is not trained
+(``trainable=False`` turns) runs greedily, once per conversation, and its result is cached: a
+frozen agent then behaves the same for every question and group member, and costs nothing after
+its first use. Greedy validation builds one bank per conversation and reuses it for every question
+of that conversation until the next training rollout changes the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_memrl.data import DataError, Task
+from lightning_memrl.evaluation import LLMJudge, evidence_recall
+from lightning_memrl.locomo import Conversation, DialogTurn, Session
+from lightning_memrl.memory_bank import MemoryBank
+from lightning_memrl.rollout import GenerationSettings, RolloutEngine
+from lightning_memrl.workflow import Trajectory, Turn, Workflow, encode_chat_prompt
+
+log = logging.getLogger(__name__)
+
+_TAG = re.compile(r"\[?\bD:?(\d+):(\d+)\]?")
+_BULLET = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s*")
+
+
+@dataclass
+class Segment:
+    """Consecutive turns of one session: the unit a memory-writing call reads."""
+
+    session: Session
+    turns: list[DialogTurn]
+
+    @property
+    def text(self) -> str:
+        return self.session.render(self.turns)
+
+    @property
+    def source_ids(self) -> list[str]:
+        return [t.dia_id for t in self.turns]
+
+
+def split_segments(conversation: Conversation, turns_per_segment: int = 0) -> list[Segment]:
+    """Sessions in order, each cut into runs of ``turns_per_segment`` turns (0: whole sessions)."""
+    out = []
+    for session in conversation.sessions:
+        step = turns_per_segment if turns_per_segment > 0 else max(len(session.turns), 1)
+        for start in range(0, len(session.turns), step):
+            out.append(Segment(session, session.turns[start : start + step]))
+    return out
+
+
+def parse_items(text: str, segment_ids: list[str], max_items: int) -> list[tuple[str, list[str]]]:
+    """Lines of a model's list (bullets and numbers stripped) with the dia_ids they cite.
+
+    A line citing ids of the segment (``[D1:3]``) keeps those as its sources; otherwise it gets
+    every id of the segment. Empty lines, headers ending in ``:`` and "none" are skipped.
+    """
+    items = []
+    for line in text.splitlines():
+        line = _BULLET.sub("", line).strip()
+        cited = [f"D{a}:{b}" for a, b in _TAG.findall(line)]
+        line = " ".join(_TAG.sub(" ", line).split())
+        if line.endswith(":"):  # a header such as "Facts:"
+            continue
+        line = line.strip(" -:")
+        if not line or line.lower() in ("none", "no facts", "n/a") or len(line) < 3:
+            continue
+        known = [c for c in cited if c in segment_ids]
+        items.append((line, known or list(segment_ids)))
+        if len(items) >= max_items:
+            break
+    return items
+
+
+def conversation_of(task: Task) -> Conversation:
+    """The :class:`Conversation` a LoCoMo task carries, or a clear error for other tasks."""
+    conversation = task.meta.get("conversation")
+    if not isinstance(conversation, Conversation):
+        raise DataError(
+            f"task {task.id!r} has no LoCoMo conversation: memory-bank workflows need LoCoMo data "
+            "(set --data.init_args.locomo_path)"
+        )
+    return conversation
+
+
+class BankWorkflow(Workflow):
+    """Base of workflows that build a memory bank per conversation and answer from it.
+
+    Subclasses implement :meth:`build_banks` (write the bank) and :meth:`answer` (the last turn).
+
+    Args:
+        retriever: ``bm25`` or ``dense`` retrieval of the banks.
+        turns_per_segment: dialogue turns per memory-writing call (0: a whole session).
+        max_batch: most prompts per ``generate`` call.
+        system_prompt: optional system message of every turn.
+        judge: optional LLM judge scoring validation answers (``judge`` in the report).
+    """
+
+    def __init__(
+        self,
+        retriever: str = "bm25",
+        turns_per_segment: int = 8,
+        max_batch: int = 32,
+        system_prompt: str | None = None,
+        judge: LLMJudge | None = None,
+    ) -> None:
+        if turns_per_segment < 0 or max_batch < 1:
+            raise ValueError("workflow turns_per_segment must be >= 0 and max_batch >= 1")
+        self.retriever = retriever
+        MemoryBank(retriever)  # fail early on a bad retriever name
+        self.turns_per_segment = turns_per_segment
+        self.max_batch = max_batch
+        self.system_prompt = system_prompt
+        self.judge = judge
+        self._bank_cache: dict[str, MemoryBank] = {}  # conversation id -> greedily built bank
+        self.counters: Counter[str] = Counter()  # lifetime counts (ops, invalid outputs, ...)
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def new_bank(self) -> MemoryBank:
+        return MemoryBank(self.retriever)
+
+    def segments(self, conversation: Conversation) -> list[Segment]:
+        return split_segments(conversation, self.turns_per_segment)
+
+    def generate_turns(
+        self,
+        engine: RolloutEngine,
+        texts: list[str],
+        settings: GenerationSettings,
+        max_new_tokens: int,
+        kind: str,
+        trainable: bool,
+    ) -> list[Turn]:
+        """One turn per prompt text, generated in batches of ``max_batch``."""
+        tokenizer = engine.tokenizer
+        prompts = [encode_chat_prompt(t, tokenizer, self.system_prompt) for t in texts]
+        turns = []
+        for start in range(0, len(prompts), self.max_batch):
+            batch = prompts[start : start + self.max_batch]
+            for prompt, gen in zip(batch, engine.generate(batch, settings, max_new_tokens=max_new_tokens)):
+                text = tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip()
+                turns.append(Turn(kind, prompt, gen, text, trainable=trainable))
+        return turns
+
+    @staticmethod
+    def greedy(settings: GenerationSettings) -> GenerationSettings:
+        """``settings`` without sampling (frozen parts and validation)."""
+        return GenerationSettings(
+            temperature=0.0, max_new_tokens=settings.max_new_tokens, stop_strings=settings.stop_strings
+        )
+
+    # ------------------------------------------------------------------ to implement
+    def build_banks(
+        self,
+        engine: RolloutEngine,
+        conversations: list[Conversation],
+        settings: GenerationSettings,
+        trainable: bool,
+    ) -> list[tuple[MemoryBank, list[Turn]]]:
+        """One bank per entry of ``conversations`` with the turns that wrote it."""
+        raise NotImplementedError
+
+    def answer(
+        self,
+        engine: RolloutEngine,
+        trajectories: list[Trajectory],
+        banks: list[MemoryBank],
+        settings: GenerationSettings,
+    ) -> None:
+        """Append the answer turn of every trajectory (and fill ``info``)."""
+        raise NotImplementedError
+
+    def banks_are_frozen(self) -> bool:
+        """True when no bank-writing turn is trained (banks are then built once and cached)."""
+        return True
+
+    # ------------------------------------------------------------------ the rollout
+    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+        conversations = [conversation_of(t) for t in tasks]
+        trajectories = [Trajectory(task=t, chunks=list(t.context)) for t in tasks]
+        evaluating = settings.temperature <= 0
+        if self.banks_are_frozen() or evaluating:
+            missing = list({c.id: c for c in conversations if c.id not in self._bank_cache}.values())
+            if missing:
+                built = self.build_banks(engine, missing, self.greedy(settings), trainable=False)
+                for conversation, (bank, _) in zip(missing, built):
+                    self._bank_cache[conversation.id] = bank
+            banks = [self._bank_cache[c.id] for c in conversations]
+        else:
+            self._bank_cache.clear()  # the policy is about to change: greedy banks go stale
+            built = self.build_banks(engine, conversations, settings, trainable=True)
+            banks = []
+            for trajectory, (bank, turns) in zip(trajectories, built):
+                trajectory.turns.extend(turns)
+                banks.append(bank)
+        for trajectory, bank in zip(trajectories, banks):
+            trajectory.info["bank_size"] = len(bank)
+        self.answer(engine, trajectories, banks, settings)
+        return trajectories
+
+    # ------------------------------------------------------------------ evaluation and state
+    def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
+        """Evidence recall of what the answerer was shown, and the judge's score when configured."""
+        metrics: dict[str, float | None] = {
+            "evidence_recall": evidence_recall(
+                trajectory.info.get("shown_source_ids", []), trajectory.task.meta.get("evidence", [])
+            )
+        }
+        if self.judge is not None:
+            answer = trajectory.info.get("answer", trajectory.final_text)
+            metrics["judge"] = self.judge(trajectory.task.question, trajectory.task.answers, answer)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "banks": {cid: bank.state_dict() for cid, bank in self._bank_cache.items()},
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._bank_cache = {}
+        for cid, bank_state in state.get("banks", {}).items():
+            bank = self.new_bank()
+            bank.load_state_dict(bank_state)
+            self._bank_cache[cid] = bank
+        self.counters = Counter(state.get("counters", {}))
+
+
+def answer_part(text: str) -> str:
+    """What follows the last ``Answer:`` of a response (the whole text when there is none)."""
+    index = text.lower().rfind("answer:")
+    return text[index + len("answer:") :].strip() if index >= 0 else text.strip()

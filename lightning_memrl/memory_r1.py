@@ -1,0 +1,274 @@
+"""Memory-R1: a fact extractor, a memory manager (one ADD/UPDATE/DELETE/NOOP per fact), an answer agent.
+
+For every segment of a conversation the extractor lists facts; for each fact the manager sees the
+memories retrieved for it and picks one operation, which is applied to the bank. The answer agent
+sees the memories retrieved for the question, writes the ids of those it uses (memory
+distillation) and then the answer. Training stages (``stage``):
+
+- ``manager``: manager turns are trained; the answer agent is frozen (greedy, no loss), so the
+  reward (e.g. exact match of its answer) judges the bank the manager built.
+- ``answerer``: the answer turn is trained (reward EM/F1); extractor and manager are frozen, so
+  each conversation's bank is built once, greedily, and cached.
+
+A manager output that names no usable operation is a NOOP with a format penalty on that turn
+(``turn.reward = -format_penalty``); it is counted, logged, and never stops the run. All turns are
+ordinary multi-turn rollout turns, trained by ``MemRLModule``'s GRPO with the trajectory's advantage.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from typing import Any
+
+from torch import Tensor
+
+from lightning_memrl.bank_workflow import BankWorkflow, answer_part, parse_items
+from lightning_memrl.evaluation import LLMJudge
+from lightning_memrl.locomo import Conversation
+from lightning_memrl.memory_bank import MemoryBank, MemoryBankError, parse_memory_operation
+from lightning_memrl.rollout import GenerationSettings, RolloutEngine
+from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+EXTRACT_TURN = "extract"
+
+DEFAULT_EXTRACT_TEMPLATE = (
+    "Here is part of a conversation ({date}):\n{dialogue}\n\n"
+    "List at most {max_facts} facts worth remembering about the speakers, one per line, each a short "
+    "sentence with names and dates, starting with the turn it comes from, e.g.\n"
+    "[D1:3] Caroline went to a support group on 7 May 2023."
+)
+DEFAULT_MANAGE_TEMPLATE = (
+    "You manage a memory bank. Memories related to a new fact:\n{memories}\n\nNew fact ({date}): {fact}\n\n"
+    "Choose one operation: ADD (store the fact as a new memory), UPDATE (rewrite a listed memory so it "
+    "includes the fact), DELETE (the fact shows a listed memory is wrong) or NOOP (nothing new). "
+    'Reply with JSON only, e.g. {{"op": "ADD", "text": "..."}} or {{"op": "UPDATE", "id": "m3", "text": "..."}}.'
+)
+DEFAULT_ANSWER_TEMPLATE = (
+    "Memories from a conversation between {speaker_a} and {speaker_b}:\n{memories}\n\nQuestion: {question}\n\n"
+    "First write the ids of the memories that answer the question, then a short answer:\n"
+    "Memories: m1, m2\nAnswer: \\boxed{{answer}}"
+)
+_MEMORY_ID = re.compile(r"\bm\d+\b")
+
+
+class MemoryR1Workflow(BankWorkflow):
+    """Memory-R1 on LoCoMo conversations (see the module docstring).
+
+    Args:
+        stage: ``manager`` (train the memory manager against a frozen answer agent) or
+            ``answerer`` (train the answer agent on frozen banks).
+        retriever: ``bm25`` or ``dense`` retrieval of the bank.
+        turns_per_segment: dialogue turns the extractor reads per call (0: a whole session).
+        max_facts: facts kept per segment.
+        manager_top_k: memories retrieved for each fact and shown to the manager.
+        answer_top_k: memories retrieved for the question and shown to the answer agent.
+        extract_max_tokens: generation cap of an extraction turn.
+        manage_max_tokens: generation cap of a manager turn.
+        format_penalty: subtracted from a manager turn whose output is not a usable operation.
+        train_extractor: also train the extraction turns (stage ``manager`` only).
+        extract_template: prompt with ``{date}``, ``{dialogue}``, ``{max_facts}``.
+        manage_template: prompt with ``{memories}``, ``{fact}``, ``{date}``.
+        answer_template: prompt with ``{memories}``, ``{question}``, ``{speaker_a}``, ``{speaker_b}``.
+        max_batch: most prompts per ``generate`` call.
+        system_prompt: optional system message of every turn.
+        judge: optional LLM judge of validation answers.
+    """
+
+    def __init__(
+        self,
+        stage: str = "manager",
+        retriever: str = "bm25",
+        turns_per_segment: int = 8,
+        max_facts: int = 4,
+        manager_top_k: int = 5,
+        answer_top_k: int = 10,
+        extract_max_tokens: int = 96,
+        manage_max_tokens: int = 64,
+        format_penalty: float = 0.1,
+        train_extractor: bool = False,
+        extract_template: str = DEFAULT_EXTRACT_TEMPLATE,
+        manage_template: str = DEFAULT_MANAGE_TEMPLATE,
+        answer_template: str = DEFAULT_ANSWER_TEMPLATE,
+        max_batch: int = 32,
+        system_prompt: str | None = None,
+        judge: LLMJudge | None = None,
+    ) -> None:
+        super().__init__(retriever, turns_per_segment, max_batch, system_prompt, judge)
+        if stage not in ("manager", "answerer"):
+            raise ValueError(f"workflow stage must be 'manager' or 'answerer', got {stage!r}")
+        for name, value in (("max_facts", max_facts), ("manager_top_k", manager_top_k), ("answer_top_k", answer_top_k)):
+            if value < 1:
+                raise ValueError(f"workflow {name} must be >= 1, got {value}")
+        for name, template, keys in (
+            ("extract_template", extract_template, ("{dialogue}",)),
+            ("manage_template", manage_template, ("{memories}", "{fact}")),
+            ("answer_template", answer_template, ("{memories}", "{question}")),
+        ):
+            missing = [k for k in keys if k not in template]
+            if missing:
+                raise ValueError(f"workflow {name} lacks the placeholders {missing}")
+        self.stage = stage
+        self.max_facts, self.manager_top_k, self.answer_top_k = max_facts, manager_top_k, answer_top_k
+        self.extract_max_tokens, self.manage_max_tokens = extract_max_tokens, manage_max_tokens
+        self.format_penalty = format_penalty
+        self.train_extractor = train_extractor and stage == "manager"
+        self.extract_template, self.manage_template = extract_template, manage_template
+        self.answer_template = answer_template
+        self._facts_cache: dict[str, list[list[tuple[str, list[str]]]]] = {}  # frozen extractor's facts
+        self._step_counts: Counter[str] = Counter()  # counts of the last training rollout
+
+    def banks_are_frozen(self) -> bool:
+        return self.stage == "answerer"
+
+    def max_response_tokens(self, settings: GenerationSettings) -> int:
+        return max(settings.max_new_tokens, self.manage_max_tokens, self.extract_max_tokens)
+
+    # ------------------------------------------------------------------ extraction
+    def extract(
+        self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
+    ) -> tuple[list[list[list[tuple[str, list[str]]]]], list[list[Turn]]]:
+        """Facts per conversation per segment (``(fact, source dia_ids)``) and the extraction turns.
+
+        A frozen extractor runs greedily once per conversation (cached) and adds no turns.
+        """
+        todo = conversations if trainable else [c for c in {c.id: c for c in conversations}.values()]
+        todo = [c for c in todo if trainable or c.id not in self._facts_cache]
+        jobs = [(i, seg) for i, c in enumerate(todo) for seg in self.segments(c)]
+        texts = [
+            self.extract_template.format(date=seg.session.date_time, dialogue=seg.text, max_facts=self.max_facts)
+            for _, seg in jobs
+        ]
+        gen_settings = settings if trainable else self.greedy(settings)
+        turns = self.generate_turns(engine, texts, gen_settings, self.extract_max_tokens, EXTRACT_TURN, trainable)
+        facts: list[list[list[tuple[str, list[str]]]]] = [[] for _ in todo]
+        turns_of: list[list[Turn]] = [[] for _ in todo]
+        for (i, seg), turn in zip(jobs, turns):
+            facts[i].append(parse_items(turn.text, seg.source_ids, self.max_facts))
+            turns_of[i].append(turn)
+        if trainable:
+            return facts, turns_of
+        for conversation, conv_facts in zip(todo, facts):
+            self._facts_cache[conversation.id] = conv_facts
+        return [self._facts_cache[c.id] for c in conversations], [[] for _ in conversations]
+
+    # ------------------------------------------------------------------ the memory manager
+    def build_banks(
+        self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
+    ) -> list[tuple[MemoryBank, list[Turn]]]:
+        manager_trainable = trainable and self.stage == "manager"
+        facts, turns = self.extract(engine, conversations, settings, trainable and self.train_extractor)
+        segments = [self.segments(c) for c in conversations]
+        banks = [self.new_bank() for _ in conversations]
+        counts: Counter[str] = Counter()
+        gen_settings = settings if manager_trainable else self.greedy(settings)
+        for r in range(max((len(s) for s in segments), default=0)):
+            jobs = []  # (slot, fact, source ids, ids shown) in application order
+            texts = []
+            for slot, conv_segments in enumerate(segments):
+                if r >= len(conv_segments):
+                    continue
+                segment = conv_segments[r]
+                for fact, sources in facts[slot][r]:
+                    shown = [e for e, _ in banks[slot].retrieve(fact, self.manager_top_k)]
+                    jobs.append((slot, segment, fact, sources, {e.id for e in shown}))
+                    texts.append(
+                        self.manage_template.format(
+                            memories=banks[slot].format(shown, empty="(none)"),
+                            fact=fact,
+                            date=segment.session.date_time,
+                        )
+                    )
+            counts["facts"] += len(jobs)
+            outputs = self.generate_turns(
+                engine, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable
+            )
+            for (slot, segment, fact, sources, shown_ids), turn in zip(jobs, outputs):
+                parsed = parse_memory_operation(turn.text, shown_ids, fact)
+                if not parsed.valid:
+                    counts["invalid"] += 1
+                    turn.reward = -self.format_penalty
+                else:
+                    try:
+                        banks[slot].apply(
+                            parsed.op,
+                            parsed.text,
+                            parsed.target_id,
+                            segment.session.name,
+                            segment.session.date_time,
+                            sources,
+                        )
+                    except MemoryBankError:  # the target was deleted by an earlier fact of this round
+                        counts["stale_target"] += 1
+                counts[parsed.op.value] += 1
+                turns[slot].append(turn)
+        self.counters.update(counts)
+        if trainable:
+            self._step_counts = counts
+        if counts["invalid"]:
+            log.warning(
+                "memory manager: %d of %d outputs were not a usable operation (NOOP, penalty %.2f)",
+                counts["invalid"],
+                counts["facts"],
+                self.format_penalty,
+            )
+        log.info("memory manager over %d conversations: %s", len(conversations), dict(counts))
+        return list(zip(banks, turns))
+
+    # ------------------------------------------------------------------ the answer agent
+    def answer(
+        self,
+        engine: RolloutEngine,
+        trajectories: list[Trajectory],
+        banks: list[MemoryBank],
+        settings: GenerationSettings,
+    ) -> None:
+        trainable = self.stage == "answerer"
+        texts = []
+        for trajectory, bank in zip(trajectories, banks):
+            conversation = trajectory.task.meta["conversation"]
+            shown = [e for e, _ in bank.retrieve(trajectory.task.question, self.answer_top_k)]
+            trajectory.info["shown_ids"] = [e.id for e in shown]
+            trajectory.info["shown_source_ids"] = sorted({s for e in shown for s in e.source_ids})
+            texts.append(
+                self.answer_template.format(
+                    memories=bank.format(shown, empty="(no memories)"),
+                    question=trajectory.task.question,
+                    speaker_a=conversation.speaker_a,
+                    speaker_b=conversation.speaker_b,
+                )
+            )
+        gen_settings = settings if trainable or settings.temperature <= 0 else self.greedy(settings)
+        turns = self.generate_turns(engine, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
+        for trajectory, turn in zip(trajectories, turns):
+            raw = turn.text
+            head = raw[: raw.lower().rfind("answer:")] if "answer:" in raw.lower() else ""
+            shown = set(trajectory.info["shown_ids"])
+            trajectory.info["selected_ids"] = [i for i in dict.fromkeys(_MEMORY_ID.findall(head)) if i in shown]
+            trajectory.info["answer_raw"] = raw
+            turn.text = answer_part(raw)  # what the rewards score: the answer without the memory list
+            trajectory.turns.append(turn)
+
+    # ------------------------------------------------------------------ metrics and state
+    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
+        """No extra loss; logs the manager's operation mix and invalid-output rate of the step."""
+        counts, self._step_counts = self._step_counts, Counter()
+        if not counts:
+            return None
+        facts = max(counts["facts"], 1)
+        metrics = {f"manager/{op.lower()}_frac": counts[op] / facts for op in ("ADD", "UPDATE", "DELETE", "NOOP")}
+        metrics["manager/invalid_frac"] = counts["invalid"] / facts
+        metrics["manager/facts"] = float(counts["facts"])
+        return None, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "facts": self._facts_cache}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._facts_cache = {
+            cid: [[(f, list(s)) for f, s in seg] for seg in conv] for cid, conv in state.get("facts", {}).items()
+        }
