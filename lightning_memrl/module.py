@@ -27,6 +27,7 @@ from torchmetrics import MeanMetric
 from lightning_memrl import distributed, grpo
 from lightning_memrl.data import Task
 from lightning_memrl.evaluation import bleu1
+from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.rewards import (
     ExactMatch,
@@ -352,7 +353,10 @@ class MemRLModule(L.LightningModule):
         """Log-probs of ``response_ids`` [B, R] after their prompts, under ``logits / temperature``.
 
         Rows are laid out ``[pad… prompt][response pad…]`` so every response ends inside the last
-        ``R`` positions; only those positions reach the LM head (``logits_to_keep``).
+        ``R`` positions. Only those positions are scored, by the LM head in chunks
+        (:func:`~lightning_memrl.logprobs.head_logprobs`): no full-vocabulary fp32 logits for the
+        prompt or the whole micro-batch. Models whose head cannot be split off (sharded, adapted)
+        get ``logits_to_keep`` instead.
         """
         device = self.device
         width = max(len(p) for p in prompts)
@@ -365,22 +369,25 @@ class MemRLModule(L.LightningModule):
         input_ids[:, width:] = response_ids
         attention[:, width:] = response_mask
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        out = model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            position_ids=position_ids.to(device),
-            logits_to_keep=resp_len + 1,
-            use_cache=False,
-        )
-        logits = out.logits[:, :-1].float()  # [B, R, V]: position t predicts response token t
+        inputs = {
+            "input_ids": input_ids.to(device),
+            "attention_mask": attention.to(device),
+            "position_ids": position_ids.to(device),
+            "use_cache": False,
+        }
         temperature = self.generation.temperature if self.generation.temperature > 0 else 1.0
-        logits = logits / temperature
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
-        entropy = (
-            grpo.entropy_from_logits(logits.detach() if self.grpo.entropy_coef == 0 else logits)
-            if with_entropy
-            else None
-        )
+        targets = response_ids.to(device)
+        parts = split_head(model)
+        if parts is not None:
+            decoder, head = parts
+            hidden = decoder(**inputs).last_hidden_state[:, width - 1 : -1]  # [B, R, H]: t predicts token t
+            logprobs, entropy = head_logprobs(hidden, head, targets, temperature, with_entropy)
+        else:
+            logits = model(**inputs, logits_to_keep=resp_len + 1).logits[:, :-1]  # [B, R, V]
+            logprobs = selected_logprobs(logits, targets, temperature)
+            entropy = grpo.entropy_from_logits(logits.float() / temperature) if with_entropy else None
+        if entropy is not None and self.grpo.entropy_coef == 0:
+            entropy = entropy.detach()  # a metric only
         return logprobs, entropy
 
     def policy_loss(

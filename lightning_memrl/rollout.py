@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memrl.logprobs import selected_logprobs
+
 
 @dataclass
 class GenerationSettings:
@@ -41,22 +43,6 @@ class Generation:
     token_ids: list[int]  # generated ids up to and including EOS / stop string
     logprobs: Tensor  # [len(token_ids)] float32, under logits / temperature
     truncated: bool  # hit max_new_tokens without EOS or a stop string
-
-
-def selected_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """Log-probs of ``token_ids`` under ``logits / temperature``, computed in fp32.
-
-    Args:
-        logits: raw scores, any dtype.  # [..., V]
-        token_ids: the tokens to score.  # [...]
-        temperature: divides the logits (the sampler's temperature; 1 when greedy).
-
-    Returns:
-        fp32 log-probs.  # [...]
-    """
-    logits = logits.float() / temperature
-    picked = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
 
 
 class RolloutEngine:
