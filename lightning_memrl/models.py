@@ -332,7 +332,7 @@ def load_policy(
                 )
         except OSError as err:
             raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
-    if quantization is not None:  # QLoRA: norms in fp32, input grads on, checkpointing non-reentrant
+    if quantization is not None:  # QLoRA: unquantised weights in fp32, input grads on, non-reentrant checkpointing
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
