@@ -1,0 +1,377 @@
+"""RMM (Reflective Memory Management): prospective reflection into topic memories, a learned reranker.
+
+Prospective reflection: after each session (segment) the model summarises the topics discussed;
+each topic memory is added to the bank, or merged into one of the ``merge_top_k`` most similar
+entries when the model says so. An entry is the topic summary plus the source turns it came
+from (shown with it when ``show_raw``).
+
+Retrospective reflection: for a question, retrieval returns the top ``top_k`` entries (K); a
+:class:`Reranker` — linear adapters with residual connections over query and memory embeddings,
+dot-product scores — keeps ``top_m`` of them (M), sampled with Gumbel noise during training and
+the best M at evaluation. The generator answers and cites the memories it used; each shown memory
+gets a citation reward (+1 cited, −1 not), and the reranker is trained by REINFORCE,
+``loss = −Σ_i (r_i − b)·log softmax(s/τ)_i`` with a running-mean baseline ``b``. That loss is the
+workflow's :meth:`auxiliary_loss`: ``MemRLModule`` backpropagates it in the same training step, and
+the reranker is registered as a module, so its parameters are in the optimizer and the checkpoint.
+The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memrl.bank_workflow import BankWorkflow, answer_part, parse_items
+from lightning_memrl.evaluation import LLMJudge, evidence_recall
+from lightning_memrl.locomo import Conversation
+from lightning_memrl.memory_bank import (
+    Embedder,
+    HashingEmbedder,
+    MemoryBank,
+    MemoryEntry,
+    MemoryOp,
+    SentenceTransformerEmbedder,
+    parse_memory_operation,
+)
+from lightning_memrl.rollout import GenerationSettings, RolloutEngine
+from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+REFLECT_TURN = "reflect"
+
+DEFAULT_REFLECT_TEMPLATE = (
+    "Here is part of a conversation ({date}):\n{dialogue}\n\n"
+    "List at most {max_topics} topics discussed, one per line, each a short summary with names and dates, "
+    "starting with the turn it comes from, e.g.\n[D1:3] Caroline went to an LGBTQ support group on 7 May 2023."
+)
+DEFAULT_MERGE_TEMPLATE = (
+    "Existing memories similar to a new one:\n{memories}\n\nNew memory ({date}): {memory}\n\n"
+    "If the new memory is about the same topic as a listed one, MERGE it into that one; otherwise ADD it. "
+    'Reply with JSON only: {{"op": "ADD"}} or {{"op": "MERGE", "id": "m3", "text": "the merged memory"}}.'
+)
+DEFAULT_ANSWER_TEMPLATE = (
+    "Memories from a conversation between {speaker_a} and {speaker_b}:\n{memories}\n\nQuestion: {question}\n\n"
+    "Answer briefly, then list the numbers of the memories you used:\n"
+    "Answer: \\boxed{{answer}}\nCitations: [1, 2]"
+)
+
+
+# --------------------------------------------------------------------------- the reranker
+class Reranker(nn.Module):
+    """Scores ``s_k = (m_k + A_m m_k) · (q + A_q q)``: residual linear adapters, identity at start.
+
+    Args:
+        dim: embedding size.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.query_adapter = nn.Linear(dim, dim)
+        self.memory_adapter = nn.Linear(dim, dim)
+        for layer in (self.query_adapter, self.memory_adapter):  # start as plain dot-product retrieval
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, query: Tensor, memories: Tensor) -> Tensor:
+        """``query`` [D], ``memories`` [K, D] -> scores [K]."""
+        q = query + self.query_adapter(query)  # [D]
+        m = memories + self.memory_adapter(memories)  # [K, D]
+        return m @ q  # [K]
+
+
+def gumbel_top_m(scores: Tensor, m: int, temperature: float, noise: bool = True, generator: Any = None) -> Tensor:
+    """Indices [min(m, K)] of the top entries of ``scores / temperature`` (+ Gumbel noise when ``noise``)."""
+    logits = scores.detach() / temperature  # [K]
+    if noise:
+        uniform = torch.rand(logits.shape, generator=generator).clamp(1e-9, 1 - 1e-9).to(logits.device)
+        logits = logits - torch.log(-torch.log(uniform))
+    return torch.topk(logits, min(m, logits.numel())).indices
+
+
+def selection_log_probs(scores: Tensor, indices: Tensor, temperature: float) -> Tensor:
+    """``log softmax(scores / temperature)`` [K] at the selected ``indices`` -> [M]."""
+    return torch.log_softmax(scores / temperature, dim=-1)[indices]
+
+
+def parse_citations(text: str, num_shown: int) -> set[int]:
+    """0-based positions of the memories a response cites (numbers 1..``num_shown``).
+
+    Reads the numbers after the last "citation(s):" when there is one, else every number inside
+    square brackets (``[1][3]``, ``[1, 3]``).
+    """
+    lower = text.lower()
+    index = lower.rfind("citation")
+    if index >= 0:
+        numbers = re.findall(r"\d+", text[index:])
+    else:
+        numbers = [n for group in re.findall(r"\[([\d,\s]+)\]", text) for n in re.findall(r"\d+", group)]
+    return {int(n) - 1 for n in numbers if 1 <= int(n) <= num_shown}
+
+
+def citation_rewards(cited: set[int], num_shown: int) -> Tensor:
+    """+1 for each shown memory the generator cited, −1 for each it did not -> [num_shown]."""
+    return torch.tensor([1.0 if i in cited else -1.0 for i in range(num_shown)])
+
+
+def reinforce_loss(log_probs: Tensor, rewards: Tensor, baseline: float) -> Tensor:
+    """``−Σ_i (r_i − b)·log p_i``: descending it raises the probability of memories with r_i > b."""
+    return -((rewards.to(log_probs.device) - baseline) * log_probs).sum()
+
+
+def _strip_citations(answer: str) -> str:
+    answer = re.split(r"citations?\s*:", answer, flags=re.IGNORECASE)[0]
+    return re.sub(r"\[[\d,\s]+\]", " ", answer).strip()
+
+
+# --------------------------------------------------------------------------- the workflow
+class RMMWorkflow(BankWorkflow):
+    """RMM on LoCoMo conversations (see the module docstring).
+
+    Args:
+        retriever: ``bm25`` or ``dense`` first-stage retrieval of the top ``top_k``.
+        turns_per_segment: dialogue turns per reflection call (0: a whole session, as in RMM).
+        max_topics: topic memories kept per reflection.
+        merge_top_k: similar entries shown when deciding to add or merge a topic (none similar: add).
+        top_k: candidates retrieved for a question (RMM's K).
+        top_m: memories the reranker keeps and the generator sees (RMM's M).
+        temperature: softmax temperature τ of the reranker's selection distribution.
+        gumbel: sample the top M with Gumbel noise during training (evaluation takes the best M).
+        embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra).
+        embedding_dim: size of ``hashing`` embeddings.
+        embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
+        reranker_lr: learning rate of the reranker's parameters.
+        baseline_momentum: running-mean factor of the REINFORCE baseline ``b``.
+        train_generator: train the answer turns with GRPO (else only the reranker learns).
+        show_raw: show each memory's source turns to the generator under its summary.
+        reflect_max_tokens: generation cap of a reflection turn.
+        merge_max_tokens: generation cap of an add-or-merge turn.
+        reflect_template: prompt with ``{date}``, ``{dialogue}``, ``{max_topics}``.
+        merge_template: prompt with ``{memories}``, ``{memory}``, ``{date}``.
+        answer_template: prompt with ``{memories}``, ``{question}``, ``{speaker_a}``, ``{speaker_b}``.
+        max_batch: most prompts per ``generate`` call.
+        system_prompt: optional system message of every turn.
+        judge: optional LLM judge of validation answers.
+    """
+
+    def __init__(
+        self,
+        retriever: str = "bm25",
+        turns_per_segment: int = 0,
+        max_topics: int = 4,
+        merge_top_k: int = 3,
+        top_k: int = 20,
+        top_m: int = 5,
+        temperature: float = 0.5,
+        gumbel: bool = True,
+        embedding: str = "hashing",
+        embedding_dim: int = 256,
+        embedding_model: str | None = None,
+        reranker_lr: float = 1e-3,
+        baseline_momentum: float = 0.9,
+        train_generator: bool = True,
+        show_raw: bool = True,
+        reflect_max_tokens: int = 96,
+        merge_max_tokens: int = 48,
+        reflect_template: str = DEFAULT_REFLECT_TEMPLATE,
+        merge_template: str = DEFAULT_MERGE_TEMPLATE,
+        answer_template: str = DEFAULT_ANSWER_TEMPLATE,
+        max_batch: int = 32,
+        system_prompt: str | None = None,
+        judge: LLMJudge | None = None,
+    ) -> None:
+        super().__init__(retriever, turns_per_segment, max_batch, system_prompt, judge)
+        if not 1 <= top_m <= top_k:
+            raise ValueError(f"workflow needs 1 <= top_m <= top_k, got top_m={top_m}, top_k={top_k}")
+        if temperature <= 0 or not 0 <= baseline_momentum < 1:
+            raise ValueError("workflow temperature must be > 0 and baseline_momentum in [0, 1)")
+        for name, template, keys in (
+            ("reflect_template", reflect_template, ("{dialogue}",)),
+            ("merge_template", merge_template, ("{memories}", "{memory}")),
+            ("answer_template", answer_template, ("{memories}", "{question}")),
+        ):
+            missing = [k for k in keys if k not in template]
+            if missing:
+                raise ValueError(f"workflow {name} lacks the placeholders {missing}")
+        if embedding == "hashing":
+            self.embedder: Embedder = HashingEmbedder(embedding_dim)
+        elif embedding == "sentence-transformers":
+            self.embedder = SentenceTransformerEmbedder(embedding_model)
+        else:
+            raise ValueError(f"workflow embedding must be 'hashing' or 'sentence-transformers', got {embedding!r}")
+        self.reranker = Reranker(self.embedder.dim)
+        self.module_lr = reranker_lr
+        self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
+        self.temperature, self.gumbel = temperature, gumbel
+        self.baseline_momentum, self.baseline = baseline_momentum, 0.0
+        self.train_generator, self.show_raw = train_generator, show_raw
+        self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
+        self.reflect_template, self.merge_template = reflect_template, merge_template
+        self.answer_template = answer_template
+        self._pending: tuple[Tensor | None, dict[str, float]] | None = None
+
+    def torch_modules(self) -> dict[str, nn.Module]:
+        return {"reranker": self.reranker}
+
+    def max_response_tokens(self, settings: GenerationSettings) -> int:
+        return max(settings.max_new_tokens, self.reflect_max_tokens, self.merge_max_tokens)
+
+    # ------------------------------------------------------------------ prospective reflection
+    def build_banks(
+        self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
+    ) -> list[tuple[MemoryBank, list[Turn]]]:
+        segments = [self.segments(c) for c in conversations]
+        jobs = [(slot, r, seg) for slot, segs in enumerate(segments) for r, seg in enumerate(segs)]
+        texts = [
+            self.reflect_template.format(date=seg.session.date_time, dialogue=seg.text, max_topics=self.max_topics)
+            for _, _, seg in jobs
+        ]
+        reflections = self.generate_turns(engine, texts, settings, self.reflect_max_tokens, REFLECT_TURN, trainable)
+        topics: dict[tuple[int, int], list[tuple[str, list[str]]]] = {}
+        banks = [self.new_bank() for _ in conversations]
+        turns: list[list[Turn]] = [[] for _ in conversations]
+        for (slot, r, seg), turn in zip(jobs, reflections):
+            topics[(slot, r)] = parse_items(turn.text, seg.source_ids, self.max_topics)
+            turns[slot].append(turn)
+        counts: Counter[str] = Counter()
+        for r in range(max((len(s) for s in segments), default=0)):
+            merge_jobs, merge_texts = [], []
+            for slot, segs in enumerate(segments):
+                if r >= len(segs):
+                    continue
+                session = segs[r].session
+                for topic, sources in topics[(slot, r)]:
+                    counts["topics"] += 1
+                    similar = [e for e, _ in banks[slot].retrieve(topic, self.merge_top_k)]
+                    if not similar:  # nothing to merge with: add without asking
+                        banks[slot].add(topic, session.name, session.date_time, sources)
+                        counts["ADD"] += 1
+                        continue
+                    merge_jobs.append((slot, session, topic, sources, {e.id: e for e in similar}))
+                    merge_texts.append(
+                        self.merge_template.format(
+                            memories=banks[slot].format(similar), memory=topic, date=session.date_time
+                        )
+                    )
+            outputs = self.generate_turns(engine, merge_texts, settings, self.merge_max_tokens, MEMORY_TURN, trainable)
+            for (slot, session, topic, sources, similar), turn in zip(merge_jobs, outputs):
+                parsed = parse_memory_operation(turn.text, set(similar), topic)
+                bank = banks[slot]
+                if parsed.valid and parsed.op is MemoryOp.UPDATE and parsed.target_id in bank:
+                    old = bank.get(str(parsed.target_id))
+                    merged = parsed.text if parsed.text != " ".join(topic.split()) else f"{old.text} {topic}"
+                    bank.update(old.id, merged, sources)
+                    counts["MERGE"] += 1
+                else:  # ADD, or anything else (a NOOP/DELETE is not an RMM choice): keep the topic
+                    counts["invalid" if not parsed.valid or parsed.op is not MemoryOp.ADD else "ADD"] += 1
+                    bank.add(topic, session.name, session.date_time, sources)
+                turns[slot].append(turn)
+        self.counters.update(counts)
+        if counts["invalid"]:
+            log.warning("RMM reflection: %d add-or-merge outputs unusable (topic added)", counts["invalid"])
+        log.info("RMM reflection over %d conversations: %s", len(conversations), dict(counts))
+        return list(zip(banks, turns))
+
+    # ------------------------------------------------------------------ retrospective reflection
+    def _render(self, position: int, entry: MemoryEntry, conversation: Conversation) -> str:
+        line = f"[{position}]" + (f" ({entry.time})" if entry.time else "") + f" {entry.text}"
+        if self.show_raw:
+            by_id = {t.dia_id: t for s in conversation.sessions for t in s.turns}
+            raw = [by_id[i].render() for i in entry.source_ids if i in by_id]
+            line += "".join(f"\n    {r}" for r in raw)
+        return line
+
+    def answer(
+        self,
+        engine: RolloutEngine,
+        trajectories: list[Trajectory],
+        banks: list[MemoryBank],
+        settings: GenerationSettings,
+    ) -> None:
+        training = settings.temperature > 0
+        device = self.reranker.query_adapter.weight.device
+        selections: list[tuple[Tensor, Tensor] | None] = []  # (scores [K], chosen [M]) per trajectory
+        texts = []
+        for trajectory, bank in zip(trajectories, banks):
+            conversation = trajectory.task.meta["conversation"]
+            candidates = [e for e, _ in bank.retrieve(trajectory.task.question, self.top_k)]
+            trajectory.info["candidate_source_ids"] = sorted({s for e in candidates for s in e.source_ids})
+            if candidates:
+                query = self.embedder.embed([trajectory.task.question])[0].to(device)  # [D]
+                memories = self.embedder.embed([e.text for e in candidates]).to(device)  # [K, D]
+                scores = self.reranker(query, memories)  # [K]
+                chosen = gumbel_top_m(scores, self.top_m, self.temperature, noise=training and self.gumbel)
+                selections.append((scores, chosen))
+                shown = [candidates[i] for i in chosen.tolist()]
+            else:
+                selections.append(None)
+                shown = []
+            trajectory.info["shown_ids"] = [e.id for e in shown]
+            trajectory.info["shown_source_ids"] = sorted({s for e in shown for s in e.source_ids})
+            rendered = "\n".join(self._render(k + 1, e, conversation) for k, e in enumerate(shown))
+            texts.append(
+                self.answer_template.format(
+                    memories=rendered or "(no memories)",
+                    question=trajectory.task.question,
+                    speaker_a=conversation.speaker_a,
+                    speaker_b=conversation.speaker_b,
+                )
+            )
+        trainable = self.train_generator
+        gen_settings = settings if trainable or not training else self.greedy(settings)
+        turns = self.generate_turns(engine, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
+        losses, rewards_all = [], []
+        for trajectory, turn, selection in zip(trajectories, turns, selections):
+            raw = turn.text
+            shown = len(trajectory.info["shown_ids"])
+            cited = parse_citations(raw, shown)
+            rewards = citation_rewards(cited, shown)  # [M]
+            trajectory.info.update(answer_raw=raw, cited=sorted(cited), citation_rewards=rewards.tolist())
+            turn.text = _strip_citations(answer_part(raw))
+            trajectory.turns.append(turn)
+            if training and selection is not None and torch.is_grad_enabled():
+                scores, chosen = selection
+                losses.append(
+                    reinforce_loss(selection_log_probs(scores, chosen, self.temperature), rewards, self.baseline)
+                )
+            rewards_all.append(rewards)
+        if training:
+            flat = torch.cat(rewards_all) if rewards_all else torch.zeros(0)
+            mean_reward = float(flat.mean()) if flat.numel() else 0.0
+            metrics = {
+                "reranker/loss": float(torch.stack(losses).mean()) if losses else 0.0,
+                "reranker/citation_reward": mean_reward,
+                "reranker/baseline": self.baseline,
+                "reranker/cited_frac": float((flat > 0).float().mean()) if flat.numel() else 0.0,
+            }
+            self._pending = (torch.stack(losses).mean() if losses else None, metrics)
+            if flat.numel():
+                self.baseline = self.baseline_momentum * self.baseline + (1 - self.baseline_momentum) * mean_reward
+
+    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
+        """The reranker's REINFORCE loss of the last training rollout and its metrics."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    # ------------------------------------------------------------------ evaluation and state
+    def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
+        """Evidence recall after reranking (top M) and of the first-stage top K, plus the judge."""
+        metrics = super().evaluation_metrics(trajectory)
+        metrics["evidence_recall_at_k"] = evidence_recall(
+            trajectory.info.get("candidate_source_ids", []), trajectory.task.meta.get("evidence", [])
+        )
+        cited = trajectory.info.get("citation_rewards", [])
+        metrics["citation_reward"] = sum(cited) / len(cited) if cited else None
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "baseline": self.baseline}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.baseline = float(state.get("baseline", 0.0))

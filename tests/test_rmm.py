@@ -1,0 +1,164 @@
+"""RMM: the reranker, its REINFORCE update, citation rewards, reflection, and training through MemRLModule."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from helpers import quiet_trainer
+from locomo_fixture import write_locomo
+from scripted_engine import ScriptedEngine
+
+from lightning_memrl import GenerationSettings, GRPOSettings, MemRLDataModule, MemRLModule
+from lightning_memrl.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.rmm import (
+    Reranker,
+    RMMWorkflow,
+    citation_rewards,
+    gumbel_top_m,
+    parse_citations,
+    reinforce_loss,
+    selection_log_probs,
+)
+from lightning_memrl.workflow import ANSWER_TURN
+
+SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
+GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=16)
+
+
+def reply(prompt: str) -> str:
+    if "List at most" in prompt:
+        if "session_1 (" in prompt:
+            return "[D1:1] Ana adopted a cat named Miso.\n[D1:2] Ben started learning the violin."
+        if "session_2 (" in prompt:
+            return "[D2:1] Miso the cat broke a vase.\n[D2:2] Ben moved to Lisbon."
+        return "[D3:1] Ben's violin teacher is Rosa."
+    if "Existing memories similar" in prompt:
+        new = prompt.split("New memory", 1)[1]
+        if "vase" in new:
+            return '{"op": "MERGE", "id": "m0", "text": "Ana\'s cat Miso broke a vase"}'
+        if "Lisbon" in new:
+            return '{"op": "ADD"}'
+        return "hmm"  # unusable: the topic is added
+    return "Answer: \\boxed{Rosa} [1]\nCitations: [1]"
+
+
+def test_reranker_starts_as_dot_product_and_the_update_follows_the_citations():
+    torch.manual_seed(0)
+    reranker = Reranker(4)
+    query, memories = torch.randn(4), torch.randn(3, 4)  # [D], [K, D]
+    scores = reranker(query, memories)
+    torch.testing.assert_close(scores, memories @ query)  # zero adapters: identity
+    chosen = torch.tensor([0, 1])
+    log_p = selection_log_probs(scores, chosen, temperature=0.5)  # [M]
+    torch.testing.assert_close(log_p, torch.log_softmax(scores / 0.5, -1)[:2])
+    rewards = citation_rewards({0}, 2)  # memory 0 cited, memory 1 not
+    assert rewards.tolist() == [1.0, -1.0]
+    loss = reinforce_loss(log_p, rewards, baseline=0.0)
+    torch.testing.assert_close(loss, log_p[1] - log_p[0])  # -(+1 * lp0) - (-1 * lp1)
+    optimizer = torch.optim.SGD(reranker.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in reranker.parameters()]
+    p_before = torch.softmax(scores.detach() / 0.5, -1)
+    loss.backward()
+    optimizer.step()
+    changed = {n for (n, p), b in zip(reranker.named_parameters(), before) if (p - b).abs().max() > 1e-6}
+    # the memory bias shifts every score equally, so the softmax (and its gradient) ignores it
+    assert changed == {"query_adapter.weight", "query_adapter.bias", "memory_adapter.weight"}
+    p_after = torch.softmax(reranker(query, memories).detach() / 0.5, -1)
+    assert p_after[0] / p_after[1] > p_before[0] / p_before[1]  # cited memory gains on the uncited one
+    assert float(reinforce_loss(selection_log_probs(reranker(query, memories), chosen, 0.5), rewards, 0.0)) < float(
+        loss
+    )
+    only_cited = reinforce_loss(selection_log_probs(reranker(query, memories), chosen[:1], 0.5), torch.ones(1), 0.0)
+    optimizer.zero_grad()
+    only_cited.backward()
+    optimizer.step()
+    assert torch.softmax(reranker(query, memories).detach() / 0.5, -1)[0] > p_after[0]  # a cited memory alone: up
+
+
+def test_reinforce_loss_sign():
+    log_p = torch.log(torch.tensor([0.5, 0.25]))
+    assert float(reinforce_loss(log_p, torch.tensor([1.0, 1.0]), 0.0)) == pytest.approx(-(-0.6931 - 1.3863), abs=1e-3)
+    assert float(reinforce_loss(log_p, torch.tensor([-1.0, -1.0]), 0.0)) < 0  # uncited: push them down
+    assert float(reinforce_loss(log_p, torch.tensor([1.0, -1.0]), 1.0)) == pytest.approx(2 * -1.3863, abs=1e-3)
+
+
+def test_citation_parsing_and_rewards():
+    assert parse_citations("Answer: \\boxed{Miso}\nCitations: [1, 3]", 3) == {0, 2}
+    assert parse_citations("It is Miso [2][9]", 3) == {1}  # 9 was not shown
+    assert parse_citations("Citations: none", 3) == set()
+    assert citation_rewards({0, 2}, 3).tolist() == [1.0, -1.0, 1.0]
+    assert citation_rewards(set(), 2).tolist() == [-1.0, -1.0]
+
+
+def test_gumbel_top_m():
+    scores = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    assert gumbel_top_m(scores, 2, 1.0, noise=False).tolist() == [0, 2]
+    assert gumbel_top_m(scores, 9, 1.0, noise=False).numel() == 4
+    draws = {
+        tuple(sorted(gumbel_top_m(scores, 2, 1.0, generator=torch.Generator().manual_seed(s)).tolist()))
+        for s in range(30)
+    }
+    assert len(draws) > 1 and all(len(set(d)) == 2 for d in draws)  # noise explores, never repeats an index
+
+
+@pytest.fixture()
+def tasks(tmp_path):
+    return load_locomo(write_locomo(tmp_path))
+
+
+def test_prospective_reflection_adds_and_merges(tasks, tiny_tokenizer):
+    workflow = RMMWorkflow(merge_top_k=3)
+    ((bank, _),) = workflow.build_banks(
+        ScriptedEngine(tiny_tokenizer, reply), [tasks[0].meta["conversation"]], GREEDY, False
+    )
+    assert [(e.id, e.text, e.source_ids) for e in bank.entries] == [
+        ("m0", "Ana's cat Miso broke a vase", ["D1:1", "D2:1"]),
+        ("m1", "Ben started learning the violin.", ["D1:2"]),
+        ("m2", "Ben moved to Lisbon.", ["D2:2"]),
+        ("m3", "Ben's violin teacher is Rosa.", ["D3:1"]),
+    ]
+    assert (workflow.counters["ADD"], workflow.counters["MERGE"], workflow.counters["invalid"]) == (3, 1, 1)
+
+
+def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, reply)
+    workflow = RMMWorkflow(top_k=5, top_m=2)
+    (trajectory,) = workflow.rollout(engine, [tasks[3]], SAMPLED)  # "Who teaches Ben?"
+    assert [(t.kind, t.trainable) for t in trajectory.turns] == [(ANSWER_TURN, True)]
+    assert trajectory.final_text == "\\boxed{Rosa}"  # citations are not part of the answer
+    assert len(trajectory.info["shown_ids"]) == 2 and trajectory.info["citation_rewards"] == [1.0, -1.0]
+    shown_prompt = engine.calls[-1][0]
+    assert "[1]" in shown_prompt and "[2]" in shown_prompt and "[3]" not in shown_prompt.split("Question")[0]
+    loss, metrics = workflow.auxiliary_loss(None)
+    assert loss.requires_grad and metrics["reranker/citation_reward"] == 0.0
+    loss.backward()
+    assert workflow.reranker.query_adapter.weight.grad.abs().sum() > 0
+    assert workflow.auxiliary_loss(None) is None  # consumed
+    assert workflow.baseline == pytest.approx(0.0)  # 0.9 * 0 + 0.1 * mean reward 0
+    metrics = workflow.evaluation_metrics(trajectory)
+    assert metrics["evidence_recall_at_k"] == 1.0  # D3:1 and D1:2 are both among the 3 candidates
+    assert metrics["citation_reward"] == 0.0
+    with torch.no_grad():
+        workflow.rollout(engine, [tasks[3]], GREEDY)
+    assert workflow.auxiliary_loss(None) is None  # evaluation trains nothing
+
+
+class _Scripted(L.Callback):
+    def on_fit_start(self, trainer, module):
+        module.engine = ScriptedEngine(module.tokenizer, reply)
+
+
+def test_reranker_trains_inside_memrl_module_and_is_checkpointed(tmp_path):
+    path = write_locomo(tmp_path / "data")
+    workflow = RMMWorkflow(top_k=5, top_m=2, reranker_lr=0.05)
+    module = MemRLModule(workflow=workflow, generation=SAMPLED, grpo=GRPOSettings(group_size=2))
+    data = MemRLDataModule(locomo_path=str(path), locomo=LoCoMoSettings(categories=[1, 4]), batch_size=2)
+    assert "workflow_modules.reranker.query_adapter.weight" in module.state_dict()
+    trainer = quiet_trainer(tmp_path, steps=2, callbacks=[_Scripted()])
+    trainer.fit(module, data)
+    groups = trainer.optimizers[0].param_groups
+    assert len(groups) == 2 and groups[1]["lr"] == 0.05
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in workflow.reranker.parameters()}
+    assert workflow.reranker.query_adapter.weight.abs().sum() > 0  # moved away from its zero start
+    assert trainer.global_step == 2
