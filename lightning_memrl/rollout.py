@@ -45,17 +45,73 @@ class Generation:
     truncated: bool  # hit max_new_tokens without EOS or a stop string
 
 
+def _common_prefix(prompts: list[list[int]]) -> int:
+    """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
+    limit = min(len(p) for p in prompts) - 1
+    common = 0
+    while common < limit and all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    return common
+
+
+def shared_prefix_groups(
+    prompts: list[list[int]], min_shared: int, labels: list[Any] | None = None
+) -> list[tuple[int, list[int]]]:
+    """Group prompts that share a prefix of at least ``min_shared`` tokens; each group's prefix is prefilled once.
+
+    With ``labels`` (e.g. the task each prompt belongs to: GRPO group members share their prompt's
+    first part, in MemAgent the problem and the chunk) prompts with the same label form a group.
+    Without them, consecutive prompts join a group while they keep at least half of its prefix, so
+    a chat template's common header alone does not merge two groups. A prefix always leaves at
+    least one token of every member's prompt, so each member still has an input to generate from.
+
+    Returns:
+        ``(prefix_length, rows)`` per group; a prompt that shares too little is a group of its own.
+    """
+    candidates: list[list[int]] = []
+    if labels is not None:
+        by_label: dict[Any, list[int]] = {}
+        for row, label in enumerate(labels):
+            by_label.setdefault(label, []).append(row)
+        candidates = list(by_label.values())
+    else:
+        for row, prompt in enumerate(prompts):
+            if candidates:
+                rows = candidates[-1]
+                current = _common_prefix([prompts[r] for r in rows])
+                joined = _common_prefix([prompts[r] for r in rows] + [prompt])
+                if joined >= min_shared and 2 * joined >= current:
+                    rows.append(row)
+                    continue
+            candidates.append([row])
+    groups: list[tuple[int, list[int]]] = []
+    for rows in candidates:
+        length = _common_prefix([prompts[r] for r in rows])
+        if len(rows) > 1 and length >= max(min_shared, 1):
+            groups.append((length, rows))
+        else:
+            groups.extend((len(prompts[r]) - 1, [r]) for r in rows)
+    return groups
+
+
 class RolloutEngine:
     """Batched sampling with left padding and the KV cache of ``model.generate``.
+
+    Members of a group that share a prompt prefix share its KV cache: the prefix is prefilled once
+    per group, copied to every member, and each member prefills only the rest of its prompt.
 
     Args:
         model: a causal LM (``transformers`` or a ``peft`` wrapper of one).
         tokenizer: its tokenizer; needs a pad token (EOS is used when it has none).
+        share_prefixes: prefill shared prompt prefixes once (exact up to float rounding).
+        min_shared_prefix: shortest shared prefix, in tokens, worth a separate prefill.
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, share_prefixes: bool = True, min_shared_prefix: int = 16) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.share_prefixes = share_prefixes
+        self.min_shared_prefix = min_shared_prefix
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = getattr(model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -71,9 +127,43 @@ class RolloutEngine:
             mask[row, width - len(prompt) :] = 1
         return ids.to(device), mask.to(device)
 
+    def prefill_shared_prefixes(
+        self, prompts: list[list[int]], groups: list[tuple[int, list[int]]], device: torch.device
+    ) -> tuple[Tensor, Tensor, Any]:
+        """Prefill each group's prefix once; lay rows out as ``[pad prefix][pad rest]``.
+
+        Returns ``input_ids`` and ``attention_mask`` [B, P + S] over whole prompts and the KV cache
+        of the first ``P`` columns, one copy per row. Pads inside a row are masked out and the
+        position ids ``generate`` derives from the mask stay contiguous over real tokens.
+        """
+        group_of_row = [0] * len(prompts)
+        prefixes = []
+        for g, (length, rows) in enumerate(groups):
+            prefixes.append(prompts[rows[0]][:length])
+            for row in rows:
+                group_of_row[row] = g
+        prefix_ids, prefix_mask = self.left_pad(prefixes, device)  # [G, P]
+        out = self.model(
+            input_ids=prefix_ids,
+            attention_mask=prefix_mask,
+            position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+        )
+        cache = out.past_key_values
+        cache.reorder_cache(torch.tensor(group_of_row, device=device))  # [G, ...] -> [B, ...]
+        rests = [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)]
+        rest_ids, rest_mask = self.left_pad(rests, device)  # [B, S]
+        input_ids = torch.cat([prefix_ids[group_of_row], rest_ids], dim=1)
+        attention_mask = torch.cat([prefix_mask[group_of_row], rest_mask], dim=1)
+        return input_ids, attention_mask, cache
+
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], settings: GenerationSettings, max_new_tokens: int | None = None
+        self,
+        prompts: list[list[int]],
+        settings: GenerationSettings,
+        max_new_tokens: int | None = None,
+        prefix_labels: list[Any] | None = None,
     ) -> list[Generation]:
         """Sample one response per prompt, all prompts in one batch.
 
@@ -81,11 +171,18 @@ class RolloutEngine:
             prompts: prompt token ids, one list per conversation.
             settings: sampling settings.
             max_new_tokens: overrides ``settings.max_new_tokens`` for this call.
+            prefix_labels: one label per prompt; prompts with equal labels share a prefix (see
+                :func:`shared_prefix_groups`). None detects groups among consecutive prompts.
         """
         if not prompts:
             return []
         device = next(self.model.parameters()).device
-        input_ids, attention_mask = self.left_pad(prompts, device)
+        groups = shared_prefix_groups(prompts, self.min_shared_prefix, prefix_labels) if self.share_prefixes else []
+        cache = None
+        if any(len(rows) > 1 for _, rows in groups):
+            input_ids, attention_mask, cache = self.prefill_shared_prefixes(prompts, groups, device)
+        else:
+            input_ids, attention_mask = self.left_pad(prompts, device)
         greedy = settings.temperature <= 0
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_new_tokens or settings.max_new_tokens,
@@ -96,6 +193,8 @@ class RolloutEngine:
             "output_logits": True,
             "use_cache": True,
         }
+        if cache is not None:
+            kwargs["cache"] = cache  # generate feeds only the columns after the cache
         if not greedy:
             kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
         else:  # neutral values so a model's generation_config does not warn or sample

@@ -244,7 +244,12 @@ class MemAgentWorkflow(Workflow):
                 )
                 for i in active
             ]
-            generations = engine.generate(prompts, settings, max_new_tokens=self.memory.max_memory_tokens)
+            generations = engine.generate(  # group members share the problem and chunk: one prefill
+                prompts,
+                settings,
+                max_new_tokens=self.memory.max_memory_tokens,
+                prefix_labels=[id(trajectories[i].task) for i in active],
+            )
             for i, prompt, gen in zip(active, prompts, generations):
                 text = self.memory.write(i, gen.token_ids, tokenizer)
                 trajectories[i].turns.append(Turn(MEMORY_TURN, prompt, gen, text))
@@ -255,7 +260,8 @@ class MemAgentWorkflow(Workflow):
             )
             for i, t in enumerate(trajectories)
         ]
-        for traj, prompt, gen in zip(trajectories, prompts, engine.generate(prompts, settings)):
+        answers = engine.generate(prompts, settings, prefix_labels=[id(t.task) for t in trajectories])
+        for traj, prompt, gen in zip(trajectories, prompts, answers):
             traj.turns.append(Turn(ANSWER_TURN, prompt, gen, tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
         return trajectories
 
