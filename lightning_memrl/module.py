@@ -37,7 +37,7 @@ from lightning_memrl.rewards import (
     exact_match,
     token_f1,
 )
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
+from lightning_memrl.rollout import GenerationSettings, RolloutEngine, shared_prefix_groups
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
 
@@ -193,6 +193,8 @@ class MemRLModule(L.LightningModule):
         answer_pattern: regular expression that picks the answer out of a final response for
             validation's exact match and F1 (e.g. ``\\b\\d{4}\\b``); None scores the whole
             ``\\boxed{}`` content or text. Reward functions take their own ``answer_pattern``.
+        share_prefixes: compute a prompt prefix that group members share (MemAgent: the problem
+            and the chunk) once per group, in rollouts (KV-cache prefill) and in the update.
         grpo: GRPO options.
         optimizer: optimizer and schedule.
         seed: seed of the ``tiny`` model's weights.
@@ -211,6 +213,7 @@ class MemRLModule(L.LightningModule):
         generation: GenerationSettings | None = None,
         val_max_new_tokens: int | None = None,
         answer_pattern: str | None = None,
+        share_prefixes: bool = True,
         grpo: GRPOSettings | None = None,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
@@ -228,6 +231,7 @@ class MemRLModule(L.LightningModule):
         self.val_max_new_tokens = val_max_new_tokens
         check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
         self.answer_pattern = answer_pattern
+        self.share_prefixes = share_prefixes
         self.grpo = grpo or GRPOSettings()
         self.optim = optimizer or OptimizerSettings()
         names = [r.name for r in self.reward_functions]
@@ -298,7 +302,7 @@ class MemRLModule(L.LightningModule):
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
-        self.engine = RolloutEngine(self.policy, self.tokenizer)
+        self.engine = RolloutEngine(self.policy, self.tokenizer, share_prefixes=self.share_prefixes)
 
     def reference_context(self) -> Any:
         """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
@@ -378,9 +382,13 @@ class MemRLModule(L.LightningModule):
         temperature = self.generation.temperature if self.generation.temperature > 0 else 1.0
         targets = response_ids.to(device)
         parts = split_head(model)
+        groups = self._update_prefix_groups(prompts) if parts is not None else []
         if parts is not None:
             decoder, head = parts
-            hidden = decoder(**inputs).last_hidden_state[:, width - 1 : -1]  # [B, R, H]: t predicts token t
+            if groups:  # one prefix pass per group, its KV cache (and gradient) shared by the members
+                hidden = self._shared_prefix_hidden(decoder, prompts, response_ids, response_mask, groups)
+            else:
+                hidden = decoder(**inputs).last_hidden_state[:, width - 1 : -1]  # [B, R, H]: t predicts token t
             logprobs, entropy = head_logprobs(hidden, head, targets, temperature, with_entropy)
         else:
             logits = model(**inputs, logits_to_keep=resp_len + 1).logits[:, :-1]  # [B, R, V]
@@ -389,6 +397,65 @@ class MemRLModule(L.LightningModule):
         if entropy is not None and self.grpo.entropy_coef == 0:
             entropy = entropy.detach()  # a metric only
         return logprobs, entropy
+
+    def _update_prefix_groups(self, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
+        """Groups of rows whose prompts share a prefix, or ``[]`` when sharing is off or saves nothing.
+
+        Off with gradient checkpointing, whose recomputation would write the KV cache twice.
+        """
+        if not self.share_prefixes or self.gradient_checkpointing:
+            return []
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # equal prefixes side by side
+        groups = shared_prefix_groups([prompts[i] for i in order], self.engine.min_shared_prefix)
+        groups = [(length, [order[r] for r in rows]) for length, rows in groups]
+        return groups if any(len(rows) > 1 for _, rows in groups) else []
+
+    def _shared_prefix_hidden(
+        self,
+        decoder: Any,
+        prompts: list[list[int]],
+        response_ids: Tensor,  # [B, R]
+        response_mask: Tensor,  # [B, R]
+        groups: list[tuple[int, list[int]]],
+    ) -> Tensor:  # [B, R, H] hidden states that predict the response tokens
+        """Decoder states for ``[prefix][rest of prompt][response]`` with each prefix computed once.
+
+        Exact: a causal model's states over a shared prefix do not depend on what follows, so the
+        prefix's keys and values are computed once per group and copied (by a differentiable
+        index) to its members; the members' gradients flow back into that one computation.
+        """
+        from transformers import DynamicCache
+
+        device = self.device
+        group_of_row = [0] * len(prompts)
+        for g, (_, rows) in enumerate(groups):
+            for row in rows:
+                group_of_row[row] = g
+        prefix_ids, prefix_mask = self.engine.left_pad([prompts[rows[0]][:length] for length, rows in groups], device)
+        rest_ids, rest_mask = self.engine.left_pad(
+            [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)], device
+        )
+        index = torch.tensor(group_of_row, device=device)
+        full_mask = torch.cat([prefix_mask[index], rest_mask, response_mask.to(device)], dim=1)  # [B, P+S+R]
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        decoder(
+            input_ids=prefix_ids,
+            attention_mask=prefix_mask,
+            position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+        )
+        cache.reorder_cache(index)  # [G, ...] -> [B, ...]
+        prefix_width, rest_width = prefix_ids.shape[1], rest_ids.shape[1]
+        hidden = decoder(
+            input_ids=torch.cat([rest_ids, response_ids.to(device)], dim=1),
+            attention_mask=full_mask,
+            position_ids=positions[:, prefix_width:],
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state  # [B, S+R, H]
+        return hidden[:, rest_width - 1 : -1]
 
     def policy_loss(
         self,

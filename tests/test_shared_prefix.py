@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from lightning_memrl import MemRLModule
+from lightning_memrl.models import LoraSettings
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine, shared_prefix_groups
 
 
@@ -78,3 +81,33 @@ def test_members_prefill_only_the_rest_of_their_prompts(tiny_model, tiny_tokeniz
     # the prefix pass embeds [groups, P]; the members then embed only the columns after it
     assert shared == unshared + len(groups) * widest_prefix - len(prompts) * widest_prefix
     assert shared < unshared
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)])
+def test_update_shares_prefixes_exactly_values_and_gradients(tiny_tokenizer, lora) -> None:
+    shared = "Question: what is the secret code of Alice? Section: The secret code of Alice is 1234. A train"
+    texts = [f"{shared} Notes: none.", f"{shared} Notes: Alice 1234.", "Problem: Bob? Section: x", f"{shared} B"]
+    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    response = torch.tensor([[13, 14, 15], [16, 17, 0], [18, 0, 0], [19, 20, 21]])
+    mask = (response > 0).long()
+    results = []
+    for share in (True, False):
+        module = MemRLModule("tiny", lora=lora, share_prefixes=share)
+        torch.manual_seed(0)  # the same LoRA initialisation for both
+        module.configure_model()
+        torch.manual_seed(1)
+        for param in module.policy.parameters():  # LoRA B starts at 0: move it so adapters matter
+            if param.requires_grad:
+                param.data.add_(0.05 * torch.randn_like(param))
+        groups = module._update_prefix_groups(prompts)
+        assert bool(groups) == share and (not share or sorted(len(r) for _, r in groups) == [1, 3])
+        logprobs, entropy = module.sequence_logprobs(module.policy, prompts, response, mask, with_entropy=True)
+        (logprobs * mask).sum().backward()
+        grads = [p.grad.clone() for p in module.policy.parameters() if p.requires_grad]
+        results.append((logprobs.detach(), entropy, grads))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = results
+    m = mask.bool()
+    torch.testing.assert_close(lp_a[m], lp_b[m], atol=1e-4, rtol=0)
+    torch.testing.assert_close(ent_a[m], ent_b[m], atol=1e-4, rtol=0)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
