@@ -43,8 +43,27 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def code_version() -> str:
+    """The checkout's commit, marked ``+modified`` when ``lightning_memrl/`` has uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "lightning_memrl", "callbacks"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit + ("+modified" if dirty else "")
+
+
 def machine(threads: int) -> dict[str, Any]:
-    """Facts that make a timing comparable: CPU, ISA level, bf16 support, threads, library versions."""
+    """Facts that make a timing comparable: CPU, ISA level, bf16 support, threads, versions, commit."""
     import transformers
 
     return {
@@ -57,6 +76,7 @@ def machine(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "code": code_version(),
     }
 
 

@@ -5,6 +5,11 @@
     python benchmarks/grpo_step.py --steps 3 --warmup 1     # quicker
     python benchmarks/grpo_step.py --lora_r 16              # LoRA on both sides (result file ..._lora.json)
     python benchmarks/grpo_step.py --dtype bfloat16 --precision bf16-true --trl_precision bf16
+    python benchmarks/grpo_step.py --steps 3 --warmup 1 --threads 1   # on a CPU other jobs share (see below)
+
+``--threads 2`` (the default) is the setting to quote; on a CPU where other processes are busy,
+two threads wait on each other (a tiny model's step measured 10x slower than with one thread), so
+use ``--threads 1`` there and say so.
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: TRL 1.16). Each side runs in its own
 process with ``torch.set_num_threads(--threads)`` on the same model folder, prompt (one prompt of

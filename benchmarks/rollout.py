@@ -4,6 +4,7 @@
     python benchmarks/rollout.py --small             # 2 tasks x group 4 x 3 chunks of 256 tokens, memory 64
     python benchmarks/rollout.py --model tiny        # the random tiny model
     python benchmarks/rollout.py --model tiny --small
+    python benchmarks/rollout.py --small --threads 1   # on a CPU other jobs share (two threads stall there)
 
 The episode set: ``--tasks`` synthetic long-context tasks, each repeated ``--group`` times (a GRPO
 group), each context cut into ``--chunks`` chunks of ``--chunk_tokens`` tokens; MemAgent's turns
