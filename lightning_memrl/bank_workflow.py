@@ -56,11 +56,14 @@ def split_segments(conversation: Conversation, turns_per_segment: int = 0) -> li
     return out
 
 
-def parse_items(text: str, segment_ids: list[str], max_items: int) -> list[tuple[str, list[str]]]:
+def parse_items(
+    text: str, segment_ids: list[str], max_items: int, counts: Counter[str] | None = None
+) -> list[tuple[str, list[str]]]:
     """Lines of a model's list (bullets and numbers stripped) with the dia_ids they cite.
 
     A line citing ids of the segment (``[D1:3]``) keeps those as its sources; otherwise it gets
-    every id of the segment. Empty lines, headers ending in ``:`` and "none" are skipped.
+    every id of the segment (counted as ``uncited`` in ``counts``). Empty lines, headers ending in
+    ``:`` and "none" are skipped.
     """
     items = []
     for line in text.splitlines():
@@ -73,6 +76,8 @@ def parse_items(text: str, segment_ids: list[str], max_items: int) -> list[tuple
         if not line or line.lower() in ("none", "no facts", "n/a") or len(line) < 3:
             continue
         known = [c for c in cited if c in segment_ids]
+        if not known and counts is not None:
+            counts["uncited"] += 1
         items.append((line, known or list(segment_ids)))
         if len(items) >= max_items:
             break

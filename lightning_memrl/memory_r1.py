@@ -146,9 +146,13 @@ class MemoryR1Workflow(BankWorkflow):
         turns = self.generate_turns(engine, texts, gen_settings, self.extract_max_tokens, EXTRACT_TURN, trainable)
         facts: list[list[list[tuple[str, list[str]]]]] = [[] for _ in todo]
         turns_of: list[list[Turn]] = [[] for _ in todo]
+        uncited: Counter[str] = Counter()
         for (i, seg), turn in zip(jobs, turns):
-            facts[i].append(parse_items(turn.text, seg.source_ids, self.max_facts))
+            facts[i].append(parse_items(turn.text, seg.source_ids, self.max_facts, uncited))
             turns_of[i].append(turn)
+        if uncited:
+            self.counters["facts_without_turn_id"] += uncited["uncited"]
+            log.info("extractor: %d facts cite no turn id (credited with their whole segment)", uncited["uncited"])
         if trainable:
             return facts, turns_of
         for conversation, conv_facts in zip(todo, facts):

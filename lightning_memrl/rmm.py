@@ -235,10 +235,10 @@ class RMMWorkflow(BankWorkflow):
         topics: dict[tuple[int, int], list[tuple[str, list[str]]]] = {}
         banks = [self.new_bank() for _ in conversations]
         turns: list[list[Turn]] = [[] for _ in conversations]
-        for (slot, r, seg), turn in zip(jobs, reflections):
-            topics[(slot, r)] = parse_items(turn.text, seg.source_ids, self.max_topics)
-            turns[slot].append(turn)
         counts: Counter[str] = Counter()
+        for (slot, r, seg), turn in zip(jobs, reflections):
+            topics[(slot, r)] = parse_items(turn.text, seg.source_ids, self.max_topics, counts)
+            turns[slot].append(turn)
         for r in range(max((len(s) for s in segments), default=0)):
             merge_jobs, merge_texts = [], []
             for slot, segs in enumerate(segments):

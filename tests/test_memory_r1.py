@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from locomo_fixture import write_locomo
@@ -116,7 +118,11 @@ def test_garbage_everywhere_never_crashes(tasks, tiny_tokenizer):
 
 
 def test_parse_items_and_segments(tasks):
-    items = parse_items("Facts:\n1. [D1:2] Ben plays violin\n* Ana [D9:9] likes tea\n\nnone\n- ok", ["D1:1", "D1:2"], 5)
+    counts = Counter()
+    items = parse_items(
+        "Facts:\n1. [D1:2] Ben plays violin\n* Ana [D9:9] likes tea\n\nnone\n- ok", ["D1:1", "D1:2"], 5, counts
+    )
+    assert counts == {"uncited": 1}
     assert items == [("Ben plays violin", ["D1:2"]), ("Ana likes tea", ["D1:1", "D1:2"])]  # D9:9 is not in the segment
     segments = split_segments(tasks[0].meta["conversation"], turns_per_segment=1)
     assert [s.source_ids for s in segments] == [["D1:1"], ["D1:2"], ["D2:1"], ["D2:2"], ["D3:1"]]
