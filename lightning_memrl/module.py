@@ -37,7 +37,13 @@ from lightning_memrl.rewards import (
     exact_match,
     token_f1,
 )
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine, shared_prefix_groups
+from lightning_memrl.rollout import (
+    MIN_SHARED_PREFIX,
+    GenerationSettings,
+    RolloutEngine,
+    left_pad,
+    shared_prefix_groups,
+)
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
 
@@ -406,7 +412,9 @@ class MemRLModule(L.LightningModule):
         if not self.share_prefixes or self.gradient_checkpointing:
             return []
         order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # equal prefixes side by side
-        groups = shared_prefix_groups([prompts[i] for i in order], self.engine.min_shared_prefix)
+        groups = shared_prefix_groups(
+            [prompts[i] for i in order], getattr(self.engine, "min_shared_prefix", MIN_SHARED_PREFIX)
+        )
         groups = [(length, [order[r] for r in rows]) for length, rows in groups]
         return groups if any(len(rows) > 1 for _, rows in groups) else []
 
@@ -431,10 +439,10 @@ class MemRLModule(L.LightningModule):
         for g, (_, rows) in enumerate(groups):
             for row in rows:
                 group_of_row[row] = g
-        prefix_ids, prefix_mask = self.engine.left_pad([prompts[rows[0]][:length] for length, rows in groups], device)
-        rest_ids, rest_mask = self.engine.left_pad(
-            [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)], device
-        )
+        prefixes = [prompts[rows[0]][:length] for length, rows in groups]
+        prefix_ids, prefix_mask = left_pad(prefixes, self.engine.pad_id, device)  # [G, P]
+        rests = [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)]
+        rest_ids, rest_mask = left_pad(rests, self.engine.pad_id, device)  # [B, S]
         index = torch.tensor(group_of_row, device=device)
         full_mask = torch.cat([prefix_mask[index], rest_mask, response_mask.to(device)], dim=1)  # [B, P+S+R]
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0)

@@ -45,6 +45,20 @@ class Generation:
     truncated: bool  # hit max_new_tokens without EOS or a stop string
 
 
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, P]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a separate prefill
+
+
 def _common_prefix(prompts: list[list[int]]) -> int:
     """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
     limit = min(len(p) for p in prompts) - 1
@@ -107,7 +121,9 @@ class RolloutEngine:
         min_shared_prefix: shortest shared prefix, in tokens, worth a separate prefill.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, share_prefixes: bool = True, min_shared_prefix: int = 16) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, share_prefixes: bool = True, min_shared_prefix: int = MIN_SHARED_PREFIX
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.share_prefixes = share_prefixes
@@ -119,13 +135,7 @@ class RolloutEngine:
 
     def left_pad(self, prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
         """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, P]."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        return ids.to(device), mask.to(device)
+        return left_pad(prompts, self.pad_id, device)
 
     def prefill_shared_prefixes(
         self, prompts: list[list[int]], groups: list[tuple[int, list[int]]], device: torch.device

@@ -100,6 +100,7 @@ def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None):
         lora=LoraSettings(r=4, alpha=8),
         gradient_checkpointing=gradient_checkpointing,
         grpo=GRPOSettings(group_size=2, kl_coef=0.1, max_grad_norm=0.0),
+        share_prefixes=False,  # same decoder calls with and without checkpointing: only the recomputation differs
     )
     module.configure_model()
     if lora_state is None:
