@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_memory_workflow_without_locomo_data_says_what_to_set(tmp_path):
 def test_configs_have_no_local_paths():
     for name in ("memory_r1_locomo", "rmm_locomo"):
         text = (REPO / "configs" / f"{name}.yaml").read_text()
-        assert "locomo_path: null" in text and "/work" not in text and "/tmp" not in text and "shared/" not in text
+        assert "locomo_path: null" in text  # the user sets the data path
+        assert not re.search(r":\s*['\"]?/", text), "absolute paths do not belong in a config"
         for line in text.splitlines():  # a comment on every key that holds a value
             if line.strip() and not line.strip().startswith("#") and not line.rstrip().endswith(":"):
                 assert "#" in line, f"{name}: no comment on {line.strip()!r}"
