@@ -344,7 +344,7 @@ class RMMWorkflow(BankWorkflow):
             flat = torch.cat(rewards_all) if rewards_all else torch.zeros(0)
             mean_reward = float(flat.mean()) if flat.numel() else 0.0
             metrics = {
-                "reranker/loss": float(torch.stack(losses).mean()) if losses else 0.0,
+                "reranker/loss": float(torch.stack(losses).detach().mean()) if losses else 0.0,
                 "reranker/citation_reward": mean_reward,
                 "reranker/baseline": self.baseline,
                 "reranker/cited_frac": float((flat > 0).float().mean()) if flat.numel() else 0.0,
