@@ -158,6 +158,7 @@ class RolloutEngine:
             attention_mask=prefix_mask,
             position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
             use_cache=True,
+            logits_to_keep=1,  # only the KV cache is needed: skip the LM head over the prefix
         )
         cache = out.past_key_values
         cache.reorder_cache(torch.tensor(group_of_row, device=device))  # [G, ...] -> [B, ...]
