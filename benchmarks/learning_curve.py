@@ -4,7 +4,7 @@
 
 Runs the real CLI three times in a scratch folder (``validate`` on the base model, ``fit``,
 ``validate --ckpt_path last.ckpt``), then writes under ``benchmarks/results/<config>/``: the two
-evaluation reports, ``summary.json`` (exact match and F1 before/after, wall times, machine) and
+evaluation reports and their per-task predictions, the training ``metrics.csv``, ``summary.json`` (exact match and F1 before/after, wall times, machine) and
 the plots of ``lightning-memrl plot``. The validation tasks use the config's ``synthetic_val``
 seed, which differs from the training seed.
 """
@@ -32,33 +32,43 @@ def run(args: list[str], cwd: Path) -> float:
     return time.perf_counter() - start
 
 
-def newest_report(root: Path) -> dict:
+def newest_report(root: Path) -> tuple[dict, Path]:
+    """The most recent evaluation report under ``root`` and its per-task predictions file."""
     path = max(root.glob("**/eval_report_step*.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(path.read_text())
+    report = json.loads(path.read_text())
+    return report, path.parent / f"eval_predictions_step{report['step']}.jsonl"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/quickstart.yaml", help="config to train and evaluate")
     parser.add_argument("--max_steps", type=int, default=None, help="override trainer.max_steps")
+    parser.add_argument("--val_tasks", type=int, default=None, help="override the number of held-out tasks")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # the rest (e.g. --model.optimizer.lr=2e-4) goes to the CLI
     config = Path(args.config).resolve()
     out_dir = Path(__file__).parent / "results" / config.stem
     out_dir.mkdir(parents=True, exist_ok=True)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="memrl-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     steps = ["--trainer.max_steps", str(args.max_steps)] if args.max_steps else []
+    common = ["--config", str(config), *overrides]
+    if args.val_tasks:
+        common += ["--data.synthetic_val.num_tasks", str(args.val_tasks)]
 
-    base_time = run(["validate", "--config", str(config)], work)
-    base = newest_report(work)
-    fit_time = run(["fit", "--config", str(config), *steps], work)
+    base_time = run(["validate", *common], work)
+    base, base_predictions = newest_report(work)
+    fit_time = run(["fit", *common, *steps], work)
     ckpt = next(work.glob("**/checkpoints/last.ckpt"))
-    trained_time = run(["validate", "--config", str(config), "--ckpt_path", str(ckpt)], work)
-    trained = newest_report(work)
+    fit_metrics = max(work.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    trained_time = run(["validate", *common, "--ckpt_path", str(ckpt)], work)
+    trained, trained_predictions = newest_report(work)
 
     (out_dir / "eval_base.json").write_text(json.dumps(base, indent=2) + "\n")
     (out_dir / "eval_trained.json").write_text(json.dumps(trained, indent=2) + "\n")
+    shutil.copy(base_predictions, out_dir / "predictions_base.jsonl")  # per task: memories, answer, score
+    shutil.copy(trained_predictions, out_dir / "predictions_trained.jsonl")
+    shutil.copy(fit_metrics, out_dir / "metrics.csv")  # the training curves, for re-plotting
     run(
         [
             "plot",
@@ -73,9 +83,12 @@ def main() -> None:
     )
     summary = {
         "config": str(Path(args.config)),
-        "command": "python benchmarks/learning_curve.py --config "
-        + str(Path(args.config))
-        + (f" --max_steps {args.max_steps}" if args.max_steps else ""),
+        "command": " ".join(
+            ["python benchmarks/learning_curve.py --config", str(Path(args.config))]
+            + ([f"--max_steps {args.max_steps}"] if args.max_steps else [])
+            + ([f"--val_tasks {args.val_tasks}"] if args.val_tasks else [])
+            + overrides
+        ),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "trained_steps": trained["step"],
         "held_out_tasks": base["overall"]["tasks"],

@@ -690,6 +690,18 @@ class MemRLModule(L.LightningModule):
             extras = {"category": trajectory.task.meta.get("category"), "bleu1": bleu1(answer, trajectory.task.answers)}
             extras.update(self.workflow.evaluation_metrics(trajectory))
             self._val_records.append((len(trajectory.chunks), em, f1, extras))
+            self._val_predictions.append(
+                {
+                    "id": trajectory.task.id,
+                    "question": trajectory.task.question,
+                    "answers": trajectory.task.answers,
+                    "chunks": len(trajectory.chunks),
+                    "memories": trajectory.memories,
+                    "completion": trajectory.final_text,
+                    "answer": answer,
+                    "exact_match": em,
+                }
+            )
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
@@ -702,12 +714,18 @@ class MemRLModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_records = []
+        self._val_predictions: list[dict[str, Any]] = []
 
     def on_validation_epoch_end(self) -> None:
-        """Print exact match and F1 overall and by number of chunks; save them as JSON."""
+        """Print exact match and F1 overall and by number of chunks; save them as JSON.
+
+        Next to ``eval_report_step<N>.json``, ``eval_predictions_step<N>.jsonl`` holds one line per
+        task: question, gold answers, the memory after each turn, the completion and its score.
+        """
         if self.trainer.sanity_checking:
             return
         records = distributed.gather_objects(self._val_records)  # every rank's tasks
+        predictions = distributed.gather_objects(self._val_predictions)
         if not records:
             return
         step = self.global_step if self.trainer.state.fn == "fit" else self._checkpoint_step
@@ -718,6 +736,8 @@ class MemRLModule(L.LightningModule):
             path = Path(log_dir) / f"eval_report_step{step}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=2) + "\n")
+            lines = "".join(json.dumps(row) + "\n" for row in predictions)
+            (path.parent / f"eval_predictions_step{step}.jsonl").write_text(lines)
 
     on_test_epoch_start = on_validation_epoch_start
     on_test_epoch_end = on_validation_epoch_end

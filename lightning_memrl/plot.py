@@ -7,11 +7,12 @@ import csv
 import json
 from pathlib import Path
 
+# One panel each: the first metric of the panel that was logged is drawn (no KL without a reference).
 CURVES = [
-    ("train/reward", "reward (sampled)"),
-    ("train/kl", "KL to reference"),
-    ("train/response_length", "answer length (tokens)"),
-    ("train/memory_length", "memory length (tokens)"),
+    [("train/reward", "reward (sampled)")],
+    [("train/kl", "KL to reference"), ("train/entropy", "policy entropy (no KL term: kl_coef 0)")],
+    [("train/response_length", "answer length (tokens)")],
+    [("train/memory_length", "memory length (tokens)")],
 ]
 
 
@@ -30,15 +31,30 @@ def read_metrics(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in series.items()}
 
 
-def plot_learning_curves(series: dict[str, list[tuple[int, float]]], out: Path) -> Path:
-    """A 2×2 figure of reward, KL, answer and memory length against the optimizer step."""
+def evaluation_points(reports: list[dict]) -> list[tuple[int, float]]:
+    """``(step, exact match)`` of each evaluation report, one per step (the last report wins).
+
+    Reports carry the checkpoint's step, unlike the CSV of a ``validate`` run, which logs at step 0.
+    """
+    return sorted({int(r["step"]): float(r["overall"]["exact_match"]) for r in reports}.items())
+
+
+def plot_learning_curves(
+    series: dict[str, list[tuple[int, float]]], out: Path, evaluations: list[tuple[int, float]] | None = None
+) -> Path:
+    """A 2×2 figure of reward, KL (or entropy), answer and memory length against the optimizer step.
+
+    ``evaluations`` (``(step, exact match)``) go on the reward panel; without them the CSV's
+    ``val/exact_match`` is used.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, title) in zip(axes.flat, CURVES):
+    for ax, panel in zip(axes.flat, CURVES):
+        key, title = next(((k, t) for k, t in panel if series.get(k)), panel[0])
         points = series.get(key, [])
         if points:
             steps, values = zip(*points)
@@ -54,9 +70,10 @@ def plot_learning_curves(series: dict[str, list[tuple[int, float]]], out: Path) 
             ax.text(0.5, 0.5, f"{key} not logged", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
         ax.set_xlabel("step")
-    if series.get("val/exact_match"):
+    evaluations = evaluations or series.get("val/exact_match")
+    if evaluations:
         ax = axes.flat[0]
-        steps, values = zip(*series["val/exact_match"])
+        steps, values = zip(*evaluations)
         ax.plot(steps, values, "o-", color="tab:green", label="val exact match (greedy)")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -107,10 +124,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = parser.parse_args(argv)
     out_dir = args.out or args.log_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [plot_learning_curves(read_metrics(args.log_dir), out_dir / "learning_curves.png")]
+    found = sorted(args.log_dir.glob("**/eval_report*.json"), key=lambda p: p.stat().st_mtime)
+    evaluations = evaluation_points([json.loads(p.read_text()) for p in found])
+    written = [plot_learning_curves(read_metrics(args.log_dir), out_dir / "learning_curves.png", evaluations)]
     report_files = args.reports
     if report_files is None:
-        found = sorted(args.log_dir.glob("**/eval_report*.json"), key=lambda p: json.loads(p.read_text())["step"])
+        found = sorted(found, key=lambda p: json.loads(p.read_text())["step"])
         report_files = [found[0], found[-1]] if len(found) > 1 else found
     if report_files:
         reports = [json.loads(p.read_text()) for p in report_files]

@@ -195,6 +195,13 @@ def test_validate_writes_report_and_plot_writes_pngs(trained, tmp_path):
     by_chunks = report["by_num_chunks"]
     assert sum(r["tasks"] for r in by_chunks.values()) == report["overall"]["tasks"] == 4  # limit_val_batches=1 x 4
     assert set(by_chunks) <= {"2", "3"}
+    predictions = [json.loads(line) for line in (report_path.parent / "eval_predictions_step3.jsonl").open()]
+    assert len(predictions) == 4  # one line per evaluated task
+    for row in predictions:
+        assert len(row["memories"]) == row["chunks"]  # the memory after each chunk
+        assert row["exact_match"] in (0.0, 1.0) and isinstance(row["completion"], str) and row["answers"]
+    em = sum(row["exact_match"] for row in predictions) / len(predictions)
+    assert em == pytest.approx(report["overall"]["exact_match"])
     plotted = _ok(
         _cli("plot", str(trained / "logs"), "--reports", str(report_path), "--out", str(tmp_path / "png"), cwd=tmp_path)
     )
@@ -202,3 +209,18 @@ def test_validate_writes_report_and_plot_writes_pngs(trained, tmp_path):
         png = tmp_path / "png" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
     assert "wrote" in plotted.stdout
+
+
+def test_quickstart_config_resolves_to_the_measured_recipe(tmp_path):
+    """configs/quickstart.yaml parses; the keys its README numbers depend on are what they say."""
+    import yaml
+
+    proc = _ok(_cli("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--print_config", cwd=tmp_path))
+    config = yaml.safe_load(proc.stdout)
+    model = config["model"]["init_args"]
+    assert model["model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and model["dtype"] == "auto"
+    assert model["grpo"]["kl_coef"] == 0.0 and model["optimizer"]["lr"] == 2.0e-4
+    assert model["answer_pattern"] == r"\b\d{4}\b"
+    data = config["data"]["init_args"]
+    assert data["synthetic"]["seed"] != data["synthetic_val"]["seed"]  # held-out tasks
+    assert config["trainer"]["max_steps"] == 20
