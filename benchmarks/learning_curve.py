@@ -4,9 +4,10 @@
 
 Runs the real CLI three times in a scratch folder (``validate`` on the base model, ``fit``,
 ``validate --ckpt_path last.ckpt``), then writes under ``benchmarks/results/<config>/``: the two
-evaluation reports and their per-task predictions, the training ``metrics.csv``, ``summary.json`` (exact match and F1 before/after, wall times, machine) and
-the plots of ``lightning-memrl plot``. The validation tasks use the config's ``synthetic_val``
-seed, which differs from the training seed.
+evaluation reports and their per-task predictions, the training ``metrics.csv``, ``summary.json``
+(exact match and F1 before/after, wall times, machine) and the plots of ``lightning-memrl plot``.
+The validation tasks use the config's ``synthetic_val`` seed, which differs from the training seed.
+Options the script does not know (``--model.optimizer.lr=2e-4``) go to ``validate`` and ``fit``.
 """
 
 from __future__ import annotations
