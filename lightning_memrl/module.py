@@ -750,7 +750,15 @@ class MemRLModule(L.LightningModule):
         extra = [p for p in self.workflow_modules.parameters() if p.requires_grad]
         if extra:  # the workflow's own modules, at their own learning rate
             groups.append({"params": extra, "lr": self.workflow.module_lr or o.lr})
-        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        every = [p for group in groups for p in group["params"]]
+        # The fused kernel is one pass over each tensor; the default on CPU is a Python loop over
+        # parameters that cost 0.9 s of a 9.8 s full fine-tuning step of SmolLM2 on 2 cores.
+        fused = bool(every) and all(
+            type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in every
+        )  # sharded (DTensor) parameters keep the default implementation
+        optimizer = torch.optim.AdamW(
+            groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=fused or None
+        )
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
         if o.schedule not in ("constant", "cosine"):
             raise ValueError(f"model.optimizer.schedule must be 'constant' or 'cosine', got {o.schedule!r}")

@@ -83,6 +83,9 @@ def test_training_changes_weights_and_calls_callbacks_in_order(tmp_path):
     logged = trainer.logged_metrics
     assert logged["train/reward/answer_length"] >= 0 and "train/kl" not in logged
     assert logged["train/turns_per_trajectory"] >= 2
+    optimizer = trainer.optimizers[0]
+    assert optimizer.defaults["fused"] is True  # one kernel per tensor, not the per-parameter loop
+    assert all(float(state["step"]) == 2.0 for state in optimizer.state.values())
 
 
 def test_kl_reference_full_copy_is_frozen_and_lora_uses_disabled_adapter(tmp_path):
