@@ -31,6 +31,11 @@ def read_metrics(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in series.items()}
 
 
+def panel_metric(panel: list[tuple[str, str]], series: dict[str, list[tuple[int, float]]]) -> tuple[str, str]:
+    """``(key, title)`` of the first metric of ``panel`` that was logged, else the panel's first."""
+    return next(((key, title) for key, title in panel if series.get(key)), panel[0])
+
+
 def evaluation_points(reports: list[dict]) -> list[tuple[int, float]]:
     """``(step, exact match)`` of each evaluation report, one per step (the last report wins).
 
@@ -54,7 +59,7 @@ def plot_learning_curves(
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, panel in zip(axes.flat, CURVES):
-        key, title = next(((k, t) for k, t in panel if series.get(k)), panel[0])
+        key, title = panel_metric(panel, series)
         points = series.get(key, [])
         if points:
             steps, values = zip(*points)

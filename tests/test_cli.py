@@ -224,3 +224,21 @@ def test_quickstart_config_resolves_to_the_measured_recipe(tmp_path):
     data = config["data"]["init_args"]
     assert data["synthetic"]["seed"] != data["synthetic_val"]["seed"]  # held-out tasks
     assert config["trainer"]["max_steps"] == 20
+
+
+def test_plot_places_evaluations_at_their_checkpoint_step_and_falls_back_to_entropy(tmp_path):
+    from lightning_memrl import plot
+
+    reports = [
+        {"step": 20, "overall": {"exact_match": 0.8}},  # validate --ckpt_path of the step-20 checkpoint
+        {"step": 0, "overall": {"exact_match": 0.5}},
+        {"step": 20, "overall": {"exact_match": 0.75}},  # a later report of the same step wins
+    ]
+    assert plot.evaluation_points(reports) == [(0, 0.5), (20, 0.75)]
+    series = {"train/reward": [(0, 0.2), (1, 0.4)], "train/entropy": [(0, 0.7), (1, 0.6)]}  # no train/kl
+    out = plot.plot_learning_curves(series, tmp_path / "curves.png", plot.evaluation_points(reports))
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    kl_panel = plot.CURVES[1]
+    assert plot.panel_metric(kl_panel, series)[0] == "train/entropy"
+    assert plot.panel_metric(kl_panel, {**series, "train/kl": [(0, 0.01)]})[0] == "train/kl"
+    assert plot.panel_metric(kl_panel, {})[0] == "train/kl"  # drawn as "not logged"
