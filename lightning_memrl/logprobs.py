@@ -39,13 +39,19 @@ def _chunk_scores(
     token_ids: Tensor,  # [n]
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    logits = F.linear(hidden, weight, bias).float() / temperature  # [n, V] fp32, one chunk only
+    logits = F.linear(hidden, weight, bias).float()  # [n, V] fp32, one chunk only
+    if temperature != 1.0:
+        logits.div_(temperature)  # in place: linear's backward does not need its output
     lse = torch.logsumexp(logits, dim=-1)  # [n]
     logprobs = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
         return logprobs, logprobs.new_zeros(())
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logsumexp - E_p[logit]
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # a metric needs no graph
+        probs = torch.softmax(logits, dim=-1)  # [n, V]
+        expected_logit = torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # E_p[logit], no [n, V] product
+        entropy = lse - expected_logit  # H = logsumexp - E_p[logit]
     return logprobs, entropy
 
 
@@ -55,7 +61,8 @@ def head_logprobs(
     token_ids: Tensor,  # [B, R]
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 256,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of ``token_ids`` from hidden states and the LM head, chunked.
 
@@ -65,7 +72,10 @@ def head_logprobs(
         token_ids: the tokens to score.
         temperature: divides the logits.
         with_entropy: also return the entropy of each position's distribution.
-        chunk_tokens: positions per LM-head call.
+        chunk_tokens: positions per LM-head call; one chunk's ``[chunk_tokens, V]`` fp32 logits
+            and softmax are the largest tensors here (256 × 49k: 50 MB each).
+        entropy_grad: let gradients flow through the entropy (an entropy bonus); False when it
+            is only logged, so no graph is kept for it.
 
     Returns:
         ``logprobs`` [B, R] fp32 and ``entropy`` [B, R] fp32 (None unless ``with_entropy``).
@@ -82,6 +92,7 @@ def head_logprobs(
             flat_ids[start : start + chunk_tokens],
             temperature,
             with_entropy,
+            entropy_grad,
         )
         lp, ent = checkpoint(_chunk_scores, *args, use_reentrant=False) if recompute else _chunk_scores(*args)
         logprob_chunks.append(lp)

@@ -395,7 +395,9 @@ class MemRLModule(L.LightningModule):
                 hidden = self._shared_prefix_hidden(decoder, prompts, response_ids, response_mask, groups)
             else:
                 hidden = decoder(**inputs).last_hidden_state[:, width - 1 : -1]  # [B, R, H]: t predicts token t
-            logprobs, entropy = head_logprobs(hidden, head, targets, temperature, with_entropy)
+            logprobs, entropy = head_logprobs(
+                hidden, head, targets, temperature, with_entropy, entropy_grad=self.grpo.entropy_coef != 0
+            )
         else:
             logits = model(**inputs, logits_to_keep=resp_len + 1).logits[:, :-1]  # [B, R, V]
             logprobs = selected_logprobs(logits, targets, temperature)

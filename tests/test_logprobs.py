@@ -43,6 +43,21 @@ def test_head_logprobs_equal_full_logits_with_gradients(chunk_tokens: int) -> No
     torch.testing.assert_close(head.weight.grad, grads[1], atol=1e-5, rtol=0)
 
 
+def test_head_logprobs_metric_entropy_has_no_graph_and_same_values() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5))
+    logprobs, entropy = head_logprobs(hidden, head, ids, 0.7, with_entropy=True, chunk_tokens=3)
+    lp_metric, entropy_metric = head_logprobs(
+        hidden, head, ids, 0.7, with_entropy=True, chunk_tokens=3, entropy_grad=False
+    )
+    assert entropy.requires_grad and not entropy_metric.requires_grad
+    assert lp_metric.requires_grad  # the log-probs still train
+    torch.testing.assert_close(entropy_metric, entropy.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp_metric, logprobs, atol=0, rtol=0)
+
+
 def _module(lora: LoraSettings | None) -> MemRLModule:
     module = MemRLModule("tiny", lora=lora)
     module.configure_model()
