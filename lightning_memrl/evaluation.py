@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_memrl.rewards import normalize_answer
+from lightning_memrl.workflow import check_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,7 @@ class LLMJudge:
         timeout: float = 60.0,
         transport: Transport | None = None,
     ) -> None:
-        missing = [k for k in ("{question}", "{gold}", "{prediction}") if k not in prompt]
-        if missing:
-            raise ValueError(f"LLMJudge prompt lacks the placeholders {missing}")
+        check_placeholders(("prompt", prompt, ("{question}", "{gold}", "{prediction}")), owner="LLMJudge")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.api_key_env, self.prompt, self.timeout = model, api_key_env, prompt, timeout
         self.transport = transport

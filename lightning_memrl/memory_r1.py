@@ -29,7 +29,7 @@ from lightning_memrl.evaluation import LLMJudge
 from lightning_memrl.locomo import Conversation
 from lightning_memrl.memory_bank import MemoryBank, MemoryBankError, parse_memory_operation
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn, check_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,11 @@ class MemoryR1Workflow(BankWorkflow):
         for name, value in (("max_facts", max_facts), ("manager_top_k", manager_top_k), ("answer_top_k", answer_top_k)):
             if value < 1:
                 raise ValueError(f"workflow {name} must be >= 1, got {value}")
-        for name, template, keys in (
+        check_placeholders(
             ("extract_template", extract_template, ("{dialogue}",)),
             ("manage_template", manage_template, ("{memories}", "{fact}")),
             ("answer_template", answer_template, ("{memories}", "{question}")),
-        ):
-            missing = [k for k in keys if k not in template]
-            if missing:
-                raise ValueError(f"workflow {name} lacks the placeholders {missing}")
+        )
         self.stage = stage
         self.max_facts, self.manager_top_k, self.answer_top_k = max_facts, manager_top_k, answer_top_k
         self.extract_max_tokens, self.manage_max_tokens = extract_max_tokens, manage_max_tokens

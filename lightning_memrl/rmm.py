@@ -39,7 +39,7 @@ from lightning_memrl.memory_bank import (
     parse_memory_operation,
 )
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn, check_placeholders
 
 log = logging.getLogger(__name__)
 
@@ -190,14 +190,11 @@ class RMMWorkflow(BankWorkflow):
             raise ValueError(f"workflow needs 1 <= top_m <= top_k, got top_m={top_m}, top_k={top_k}")
         if temperature <= 0 or not 0 <= baseline_momentum < 1:
             raise ValueError("workflow temperature must be > 0 and baseline_momentum in [0, 1)")
-        for name, template, keys in (
+        check_placeholders(
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
             ("answer_template", answer_template, ("{memories}", "{question}")),
-        ):
-            missing = [k for k in keys if k not in template]
-            if missing:
-                raise ValueError(f"workflow {name} lacks the placeholders {missing}")
+        )
         if embedding == "hashing":
             self.embedder: Embedder = HashingEmbedder(embedding_dim)
         elif embedding == "sentence-transformers":

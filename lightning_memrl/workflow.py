@@ -36,6 +36,19 @@ DEFAULT_ANSWER_TEMPLATE = (
 )
 
 
+def check_placeholders(*templates: tuple[str, str, tuple[str, ...]], owner: str = "workflow") -> None:
+    """Stop on a prompt template that lacks a placeholder its owner fills in.
+
+    Args:
+        templates: ``(option name, template, required placeholders)`` per template.
+        owner: what the options belong to, first word of the error message.
+    """
+    for name, template, keys in templates:
+        missing = [k for k in keys if k not in template]
+        if missing:
+            raise ValueError(f"{owner} {name} lacks the placeholders {missing}")
+
+
 @dataclass
 class Turn:
     """One conversation of a trajectory: the exact prompt and generated token ids."""
@@ -192,13 +205,10 @@ class MemAgentWorkflow(Workflow):
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"workflow chunk_tokens must be >= 1, got {chunk_tokens}")
-        for name, template, keys in (
+        check_placeholders(
             ("memory_template", memory_template, ("{problem}", "{chunk}", "{memory}")),
             ("answer_template", answer_template, ("{problem}", "{memory}")),
-        ):
-            missing = [k for k in keys if k not in template]
-            if missing:
-                raise ValueError(f"workflow {name} lacks the placeholders {missing}")
+        )
         self.memory = TextMemoryStore(max_memory_tokens, empty_text=empty_memory)
         self.chunk_tokens = chunk_tokens
         self.max_chunks = max_chunks
