@@ -1,6 +1,7 @@
 """lightning_memrl: train memory-augmented LLM agents with reinforcement learning on Lightning."""
 
 from lightning_memrl.data import MemRLDataModule, SyntheticTaskConfig, Task, generate_synthetic_tasks, load_tasks
+from lightning_memrl.errors import ConfigError, DataError, MemRLError
 from lightning_memrl.locomo import LoCoMoSettings, load_locomo
 from lightning_memrl.memory import TextMemoryStore
 from lightning_memrl.memory_bank import MemoryBank, MemoryEntry, MemoryOp, SQLiteMemoryBank
@@ -13,6 +14,9 @@ from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Trajectory,
 
 __version__ = "0.1.0"
 __all__ = [
+    "ConfigError",
+    "DataError",
+    "MemRLError",
     "GRPOSettings",
     "GenerationSettings",
     "LoCoMoSettings",

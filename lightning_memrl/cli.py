@@ -8,6 +8,7 @@ import warnings
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_memrl.data import MemRLDataModule
+from lightning_memrl.errors import MemRLError
 from lightning_memrl.module import MemRLModule
 
 
@@ -34,7 +35,11 @@ def main() -> None:
 
         plot_main(sys.argv[2:])
         return
-    build_cli()
+    try:
+        build_cli()
+    except MemRLError as err:  # a user's data or config: the message names it; a traceback would bury it
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

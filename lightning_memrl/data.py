@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
+from lightning_memrl.errors import DataError
 from lightning_memrl.locomo import LoCoMoSettings, load_locomo
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,6 @@ class Task:
     answers: list[str]
     id: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-class DataError(ValueError):
-    """A data row or file a user supplied cannot be used."""
 
 
 # --------------------------------------------------------------------------- synthetic tasks

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_memrl.errors import DataError
+
 if TYPE_CHECKING:  # data.py imports this module for its settings type: import it lazily here
     from lightning_memrl.data import Task
 
@@ -97,13 +99,6 @@ class LoCoMoSettings:
     conversations: list[str] | None = None
 
 
-def _data_error(message: str) -> Exception:
-    """A :class:`lightning_memrl.data.DataError` (imported lazily: data.py imports this module)."""
-    from lightning_memrl.data import DataError as _DataError
-
-    return _DataError(message)
-
-
 def normalize_evidence(raw: Any) -> list[str]:
     """Evidence ids as ``D<session>:<turn>``: ``"D8:6; D9:17"`` is split, ``"D:11:26"`` fixed."""
     items = raw if isinstance(raw, list) else [raw]
@@ -123,27 +118,27 @@ def session_of(dia_id: str) -> int | None:
 
 def _parse_conversation(obj: Any, conv_id: str, source: str) -> Conversation:
     if not isinstance(obj, dict):
-        raise _data_error(f"{source}: expected a JSON object with speaker_a, speaker_b and session_N keys")
+        raise DataError(f"{source}: expected a JSON object with speaker_a, speaker_b and session_N keys")
     for key in ("speaker_a", "speaker_b"):
         if not isinstance(obj.get(key), str) or not obj[key].strip():
-            raise _data_error(f"{source}: field '{key}' is missing or empty")
+            raise DataError(f"{source}: field '{key}' is missing or empty")
     indices = sorted(int(m.group(1)) for k in obj if (m := _SESSION_KEY.fullmatch(k)))
     if not indices:
-        raise _data_error(f"{source}: no session_N fields; a LoCoMo conversation needs at least one session")
+        raise DataError(f"{source}: no session_N fields; a LoCoMo conversation needs at least one session")
     sessions = []
     for n in indices:
         key = f"session_{n}"
         turns_raw = obj[key]
         if not isinstance(turns_raw, list):
-            raise _data_error(f"{source}: field '{key}' must be a list of turns")
+            raise DataError(f"{source}: field '{key}' must be a list of turns")
         turns = []
         for i, turn in enumerate(turns_raw):
             where = f"{source}: {key}[{i}]"
             if not isinstance(turn, dict):
-                raise _data_error(f"{where}: a turn must be an object with speaker, dia_id and text")
+                raise DataError(f"{where}: a turn must be an object with speaker, dia_id and text")
             for name in ("speaker", "dia_id", "text"):
                 if not isinstance(turn.get(name), str) or (name != "text" and not turn[name].strip()):
-                    raise _data_error(f"{where}: field '{name}' is missing or not a string")
+                    raise DataError(f"{where}: field '{name}' is missing or not a string")
             turns.append(
                 DialogTurn(turn["dia_id"].strip(), turn["speaker"], turn["text"], turn.get("blip_caption") or "")
             )
@@ -157,13 +152,13 @@ def _read_file(path: Path) -> list[tuple[Conversation, list[Any], str]]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _data_error(f"{path}: cannot read as JSON: {err}") from err
+        raise DataError(f"{path}: cannot read as JSON: {err}") from err
     if isinstance(data, dict):
         items, original_layout = [data], False
     elif isinstance(data, list):
         items, original_layout = data, True
     else:
-        raise _data_error(f"{path}: expected a JSON object (one conversation) or a list of them")
+        raise DataError(f"{path}: expected a JSON object (one conversation) or a list of them")
     out = []
     for index, item in enumerate(items):
         source = f"{path}" if not original_layout else f"{path}: [{index}]"
@@ -175,7 +170,7 @@ def _read_file(path: Path) -> list[tuple[Conversation, list[Any], str]]:
         conversation = _parse_conversation(conv_obj, conv_id, source)
         qa = item.get("qa") if isinstance(item, dict) else None
         if not isinstance(qa, list):
-            raise _data_error(f"{source}: field 'qa' is missing or not a list of questions")
+            raise DataError(f"{source}: field 'qa' is missing or not a list of questions")
         out.append((conversation, qa, source))
     return out
 
@@ -198,13 +193,13 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
     if path.is_dir():
         files = sorted(path.glob("*.json"))
         if not files:
-            raise _data_error(f"{path}: folder has no *.json LoCoMo files")
+            raise DataError(f"{path}: folder has no *.json LoCoMo files")
     elif path.is_file():
         files = [path]
     else:
-        raise _data_error(f"{path}: no such file or folder. Set --data.init_args.locomo_path to LoCoMo JSON data.")
+        raise DataError(f"{path}: no such file or folder. Set --data.init_args.locomo_path to LoCoMo JSON data.")
     if settings.max_sessions is not None and settings.max_sessions < 1:
-        raise _data_error(f"locomo.max_sessions must be >= 1 or null, got {settings.max_sessions}")
+        raise DataError(f"locomo.max_sessions must be >= 1 or null, got {settings.max_sessions}")
     wanted = set(settings.conversations) if settings.conversations is not None else None
     tasks: list[Task] = []
     skipped: Counter[str] = Counter()
@@ -223,14 +218,12 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
             for i, row in enumerate(qa):
                 where = f"{source}: qa[{i}]"
                 if not isinstance(row, dict):
-                    raise _data_error(
-                        f"{where}: a question must be an object with question, answer, evidence, category"
-                    )
+                    raise DataError(f"{where}: a question must be an object with question, answer, evidence, category")
                 question, category = row.get("question"), row.get("category")
                 if not isinstance(question, str) or not question.strip():
-                    raise _data_error(f"{where}: field 'question' is missing or empty")
+                    raise DataError(f"{where}: field 'question' is missing or empty")
                 if isinstance(category, bool) or not isinstance(category, int):
-                    raise _data_error(f"{where}: field 'category' must be an integer, got {category!r}")
+                    raise DataError(f"{where}: field 'category' must be an integer, got {category!r}")
                 if category not in settings.categories:
                     skipped[f"category {category}"] += 1
                     continue
@@ -238,7 +231,7 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
                 if answer is None and category == 5:
                     answer = UNANSWERABLE
                 if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-                    raise _data_error(f"{where}: field 'answer' must be a non-empty string or number, got {answer!r}")
+                    raise DataError(f"{where}: field 'answer' must be a non-empty string or number, got {answer!r}")
                 evidence = normalize_evidence(row.get("evidence", []))
                 sessions = [session_of(e) for e in evidence]
                 if any(s is not None and s > last_session for s in sessions):
@@ -265,7 +258,7 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
                 )
                 kept_here += 1
     if wanted is not None and wanted - seen_ids:
-        raise _data_error(
+        raise DataError(
             f"{path}: locomo.conversations names unknown ids {sorted(wanted - seen_ids)}; have {sorted(seen_ids)}"
         )
     by_category = Counter(t.meta["category"] for t in tasks)
@@ -283,5 +276,5 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
             unknown_evidence,
         )
     if not tasks:
-        raise _data_error(f"{path}: no LoCoMo question left after filtering ({dict(skipped)}); widen locomo settings")
+        raise DataError(f"{path}: no LoCoMo question left after filtering ({dict(skipped)}); widen locomo settings")
     return tasks
