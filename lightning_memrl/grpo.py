@@ -24,7 +24,7 @@ LOW_VAR_KL_CLAMP = 10.0  # verl's bound on the k3 estimate ("low_var_kl")
 
 
 def group_advantages(
-    rewards: Tensor,  # [N], NaN marks a reward that could not be computed
+    rewards: Tensor,  # [N], NaN (or ±inf) marks a reward that could not be computed
     group_size: int,
     scale_rewards: ScaleRewards = "group",
     eps: float = 1e-4,
@@ -33,7 +33,8 @@ def group_advantages(
 
     Args:
         rewards: one reward per trajectory; the ``group_size`` members of a group are contiguous.
-            NaN rewards are left out of their group's mean and std and get advantage 0.
+            NaN and ±inf rewards are left out of their group's mean and std and get advantage 0.
+            Statistics are computed in float64, so rewards as large as 1e30 keep their advantages.
         group_size: members per group.
         scale_rewards: ``group`` divides by the group's std (GRPO), ``batch`` by the std of all
             valid rewards in the batch (the mean stays per group), ``none`` does not divide
@@ -41,12 +42,12 @@ def group_advantages(
         eps: added to the std so a zero-variance group gives 0, not NaN.
 
     Returns:
-        One advantage per trajectory. A group whose valid rewards are all equal gets 0.
+        One advantage per trajectory (float32). A group whose valid rewards are all equal gets 0.
     """
     if group_size < 1 or rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries")
-    r = rewards.float().view(-1, group_size)  # [N/G, G]
-    valid = ~torch.isnan(r)
+    r = rewards.double().view(-1, group_size)  # [N/G, G]; float32 squares overflow above ~1e19
+    valid = torch.isfinite(r)
     count = valid.sum(-1, keepdim=True)  # [N/G, 1]
     filled = torch.where(valid, r, torch.zeros_like(r))
     mean = filled.sum(-1, keepdim=True) / count.clamp(min=1)
@@ -62,7 +63,7 @@ def group_advantages(
     elif scale_rewards != "none":
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     centered = torch.where(count > 1, centered, torch.zeros_like(centered))
-    return centered.view(-1)
+    return centered.view(-1).float()
 
 
 def loss_token_weights(

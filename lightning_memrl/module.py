@@ -12,6 +12,7 @@ of :meth:`policy_loss`, gradient clipping, optimizer and LR-scheduler steps → 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from contextlib import nullcontext
@@ -24,8 +25,9 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_memrl import distributed, grpo
+from lightning_memrl import distributed, grpo, guards
 from lightning_memrl.data import Task
+from lightning_memrl.errors import ConfigError, check_option
 from lightning_memrl.evaluation import bleu1
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
@@ -45,6 +47,8 @@ from lightning_memrl.rollout import (
     shared_prefix_groups,
 )
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,9 @@ class GRPOSettings:
         ppo_epochs: optimisation passes over each rollout batch (one optimizer step each).
         micro_batch_tokens: padded tokens per forward/backward micro-batch.
         max_grad_norm: gradient clipping norm (0 disables).
+        max_consecutive_skipped_steps: an optimizer step whose loss or gradient norm is NaN or
+            infinite is skipped (gradients dropped, ``train/skipped_steps``); this many skipped in
+            a row stop the run.
     """
 
     group_size: int = 4
@@ -81,6 +88,22 @@ class GRPOSettings:
     ppo_epochs: int = 1
     micro_batch_tokens: int = 8192
     max_grad_norm: float = 1.0
+    max_consecutive_skipped_steps: int = 5
+
+    def __post_init__(self) -> None:
+        p = "model.init_args.grpo."
+        check_option(p + "group_size", self.group_size, 2, why="GRPO's advantage is relative to the group")
+        check_option(p + "advantage_eps", self.advantage_eps, 0.0)
+        check_option(p + "clip_low", self.clip_low, 0.0, 1.0, high_open=True, why="the ratio clips at 1 - clip_low")
+        check_option(p + "clip_high", self.clip_high, 0.0)
+        if self.dual_clip is not None:
+            check_option(p + "dual_clip", self.dual_clip, 1.0, low_open=True, why="null disables it; verl uses 3.0")
+        check_option(p + "kl_coef", self.kl_coef, 0.0, why="0 disables the KL penalty")
+        check_option(p + "entropy_coef", self.entropy_coef)
+        check_option(p + "ppo_epochs", self.ppo_epochs, 1)
+        check_option(p + "micro_batch_tokens", self.micro_batch_tokens, 1)
+        check_option(p + "max_grad_norm", self.max_grad_norm, 0.0, why="0 disables clipping")
+        check_option(p + "max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1)
 
 
 @dataclass
@@ -100,6 +123,16 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
     schedule: str = "constant"
+
+    def __post_init__(self) -> None:
+        p = "model.init_args.optimizer."
+        check_option(p + "lr", self.lr, 0.0, low_open=True)
+        check_option(p + "weight_decay", self.weight_decay, 0.0)
+        for i, beta in enumerate(self.betas):
+            check_option(f"{p}betas[{i}]", beta, 0.0, 1.0, high_open=True)
+        check_option(p + "warmup_steps", self.warmup_steps, 0)
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"{p}schedule must be 'constant' or 'cosine' (got {self.schedule!r})")
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -240,6 +273,7 @@ class MemRLModule(L.LightningModule):
         self.share_prefixes = share_prefixes
         self.grpo = grpo or GRPOSettings()
         self.optim = optimizer or OptimizerSettings()
+        self._skips = guards.SkipCounter(self.grpo.max_consecutive_skipped_steps)
         names = [r.name for r in self.reward_functions]
         if len(set(names)) != len(names):
             raise ValueError(f"model.rewards: reward names must be unique, got {names}; set name: on each")
@@ -332,17 +366,28 @@ class MemRLModule(L.LightningModule):
     def score(self, rollouts: RolloutBatch) -> None:
         """Fill ``rollouts.rewards`` [N] (weighted sum) and ``reward_components`` (name → [N]).
 
-        A trajectory that every reward function leaves unscored (None) gets NaN.
+        A trajectory that every reward function leaves unscored (None) gets NaN; so does one for
+        which a function returns NaN or ±inf (counted in ``self.nonfinite_rewards``). A value that
+        is not a number stops the run with an error naming the function.
         """
         components = {r.name: torch.full((rollouts.num_trajectories,), math.nan) for r in self.reward_functions}
         total = torch.full((rollouts.num_trajectories,), math.nan)
+        nonfinite = torch.zeros(rollouts.num_trajectories, dtype=torch.bool)
         for i, trajectory in enumerate(rollouts.trajectories):
             for fn in self.reward_functions:
-                value = fn(trajectory.final_text, trajectory.task.answers)
+                owner = f"reward function {fn.name!r} ({type(fn).__name__})"
+                value = guards.reward_value(fn(trajectory.final_text, trajectory.task.answers), owner)
                 if value is None:
                     continue
-                components[fn.name][i] = float(value)
-                total[i] = (0.0 if math.isnan(total[i]) else total[i]) + fn.weight * float(value)
+                weighted = fn.weight * value
+                if not (math.isfinite(value) and math.isfinite(weighted)):
+                    nonfinite[i] = True
+                    continue
+                components[fn.name][i] = value
+                total[i] = (0.0 if math.isnan(total[i]) else total[i]) + weighted
+        nonfinite |= torch.isinf(total)  # a float32 sum of finite values can overflow
+        total = total.masked_fill(nonfinite, math.nan)
+        self.nonfinite_rewards = int(nonfinite.sum())
         rollouts.rewards, rollouts.reward_components = total, components
 
     def compute_advantages(self, rollouts: RolloutBatch) -> Tensor:
@@ -504,12 +549,14 @@ class MemRLModule(L.LightningModule):
         tasks = [task for task in batch for _ in range(self.grpo.group_size)]  # (a)
         rollouts = self.rollout(tasks, self.generation)  # (b)
         rollout_time = time.perf_counter() - step_start
+        self.nonfinite_rewards = 0
         self.score(rollouts)  # (c)
+        scored = rollouts.rewards.clone()
         for callback in self._memrl_callbacks():  # (d)
             callback.on_rewards(self.trainer, self, rollouts)
         shaped = rollouts.rewards.clone()
         shaped.index_add_(0, rollouts.turn_to_trajectory, rollouts.turn_rewards)
-        rollouts.rewards = shaped
+        reward_stats = self._guard_rewards(rollouts, shaped, scored)
         rollouts.trajectory_advantages = self.compute_advantages(rollouts)  # (e) per trajectory
         per_turn = rollouts.trajectory_advantages[rollouts.turn_to_trajectory]  # [M] broadcast
         rollouts.advantages = per_turn.unsqueeze(-1) * rollouts.response_mask  # [M, T]
@@ -523,7 +570,27 @@ class MemRLModule(L.LightningModule):
         update_start = time.perf_counter()
         update_stats = self.update(rollouts)  # (g)
         update_time = time.perf_counter() - update_start
+        update_stats.update(reward_stats)
         self._log_step(rollouts, update_stats, rollout_time, update_time, time.perf_counter() - step_start)  # (h)
+
+    def _guard_rewards(self, rollouts: RolloutBatch, shaped: Tensor, scored: Tensor) -> dict[str, float]:
+        """Set ``rollouts.rewards`` to ``shaped`` with ±inf as NaN; count non-finite and NaN rewards.
+
+        A NaN reward is left out of its group's baseline and gets advantage 0. Warns when every
+        reward of the step is NaN: such a step trains nothing but the KL and entropy terms.
+        """
+        nonfinite = self.nonfinite_rewards + guards.nonfinite_count(shaped, unscored=scored)  # + shaping's
+        rollouts.rewards = guards.finite_or_nan(shaped)
+        frac_nan = float(torch.isnan(rollouts.rewards).float().mean()) if rollouts.num_trajectories else 0.0
+        if frac_nan == 1.0:
+            log.warning(
+                "step %d: every reward is NaN (%d trajectories, %d of them non-finite values, the rest unscored): "
+                "the advantages are all 0 and the policy learns nothing from this step; check the reward functions",
+                self.global_step,
+                rollouts.num_trajectories,
+                nonfinite,
+            )
+        return {"nonfinite_rewards": float(nonfinite), "frac_reward_nan": frac_nan}
 
     def update(self, rollouts: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` optimizer steps over token-budgeted micro-batches of the rollouts."""
@@ -577,8 +644,9 @@ class MemRLModule(L.LightningModule):
             ref_time = time.perf_counter() - start
         sums: dict[str, float] = {}
         loss_total, grad_norm = 0.0, 0.0
-        logprob_gap = 0.0
+        logprob_gap, skipped = 0.0, 0
         for epoch in range(g.ppo_epochs):
+            epoch_loss = 0.0
             for b, idx in enumerate(batches):
                 prompts, ids, m = rows(idx)
                 width = ids.shape[1]
@@ -600,14 +668,13 @@ class MemRLModule(L.LightningModule):
                 if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
                     loss, stats = loss * 0.0, {}
                 self.manual_backward(loss)
-                loss_total += float(loss.detach())
+                epoch_loss += float(loss.detach())
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
-            if g.max_grad_norm > 0:
-                grad_norm = distributed.clip_grad_norm(
-                    [p for p in self.policy.parameters() if p.requires_grad], g.max_grad_norm
-                )
-            opt.step()
+            loss_total += epoch_loss
+            grad_norm, skip = self._clip_gradients_or_skip(opt, epoch_loss)
+            skipped += skip
+            opt.step()  # after a skip no parameter has a gradient: AdamW changes no weight and no moment
             opt.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
@@ -619,8 +686,33 @@ class MemRLModule(L.LightningModule):
             reference_time=ref_time,
             logprob_gap=logprob_gap / max(float(mask.sum()), 1.0),
             micro_batches=float(len(batches)),
+            skipped_steps=float(skipped),
         )
         return out
+
+    def _clip_gradients_or_skip(self, opt: Any, loss: float) -> tuple[float, bool]:
+        """Clip the policy's gradients to ``max_grad_norm``; drop them all when the step must be skipped.
+
+        A step is skipped when its loss, its gradient norm or a workflow module's gradient is NaN
+        or infinite on any rank. Every gradient is then set to None, so the ``opt.step()`` that
+        follows changes no weight and no AdamW moment, while ``global_step`` and the LR scheduler
+        still advance (as with a mixed-precision GradScaler's skipped step): ``max_steps`` counts
+        attempted steps. ``max_consecutive_skipped_steps`` skipped in a row stop the run.
+
+        Returns:
+            The gradient norm before clipping (also when clipping is off) and whether the step is skipped.
+        """
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        max_norm = self.grpo.max_grad_norm if self.grpo.max_grad_norm > 0 else math.inf  # inf: measure only
+        grad_norm = distributed.clip_grad_norm(params, max_norm)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        finite = finite and guards.grads_are_finite(self.workflow_modules.parameters())
+        skip = bool(distributed.max_over_ranks(int(not finite)))  # every rank skips together
+        if skip:
+            opt.zero_grad(set_to_none=True)
+            log.warning("step %d: loss %.4g, gradient norm %.4g: step skipped", self.global_step, loss, grad_norm)
+        self._skips.record(skip, f"loss={loss:.4g}, grad_norm={grad_norm:.4g} at step {self.global_step}")
+        return grad_norm, skip
 
     def _memrl_callbacks(self) -> list[Any]:
         from lightning_memrl.callbacks import MemRLCallback
@@ -646,6 +738,9 @@ class MemRLModule(L.LightningModule):
             "train/reward": float(valid.mean()) if valid.numel() else math.nan,
             "train/reward_std": float(valid.std()) if valid.numel() > 1 else 0.0,
             "train/frac_reward_zero_std": float(zero_std.mean()),
+            "train/nonfinite_rewards": stats.get("nonfinite_rewards", 0.0),
+            "train/frac_reward_nan": stats.get("frac_reward_nan", 0.0),
+            "train/skipped_steps": stats.get("skipped_steps", 0.0),
             "train/advantage_abs": float(rollouts.trajectory_advantages.abs().mean()),
             "train/response_length": float(lengths[~is_mem].mean()) if (~is_mem).any() else 0.0,
             "train/memory_length": float(lengths[is_mem].mean()) if is_mem.any() else 0.0,
@@ -777,6 +872,7 @@ class MemRLModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        guards.check_finite_checkpoint(checkpoint)  # a NaN checkpoint would replace the last good one
         checkpoint["memrl_workflow"] = self.workflow.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
