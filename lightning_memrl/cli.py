@@ -8,7 +8,7 @@ import warnings
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_memrl.data import MemRLDataModule
-from lightning_memrl.errors import MemRLError
+from lightning_memrl.errors import find_user_error
 from lightning_memrl.module import MemRLModule
 
 
@@ -37,8 +37,11 @@ def main() -> None:
         return
     try:
         build_cli()
-    except MemRLError as err:  # a user's data or config: the message names it; a traceback would bury it
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:  # a user's data or config: the message names it; a traceback would bury it
+        user_error = find_user_error(err)  # jsonargparse wraps errors raised while it builds the config's objects
+        if user_error is None:
+            raise
+        print(f"error: {user_error}", file=sys.stderr)
         sys.exit(2)
 
 

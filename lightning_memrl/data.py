@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_memrl.errors import DataError
+from lightning_memrl.errors import DataError, check_option
 from lightning_memrl.locomo import LoCoMoSettings, load_locomo
 
 log = logging.getLogger(__name__)
@@ -286,6 +286,9 @@ class MemRLDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        check_option("data.init_args.batch_size", batch_size, 1)
+        check_option("data.init_args.val_batch_size", val_batch_size, 1)
+        check_option("data.init_args.num_workers", num_workers, 0)
         self.train_path, self.val_path, self.field_map = train_path, val_path, field_map
         self.locomo_path, self.locomo = locomo_path, locomo or LoCoMoSettings()
         self.locomo_val = locomo_val or self.locomo

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memrl.errors import check_option
 from lightning_memrl.logprobs import selected_logprobs
 
 
@@ -34,6 +35,13 @@ class GenerationSettings:
     top_k: int = 0
     max_new_tokens: int = 32
     stop_strings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        p = "model.init_args.generation."
+        check_option(p + "temperature", self.temperature, 0.0, why="0 means greedy")
+        check_option(p + "top_p", self.top_p, 0.0, 1.0, low_open=True, why="1 disables nucleus sampling")
+        check_option(p + "top_k", self.top_k, 0, why="0 disables top-k")
+        check_option(p + "max_new_tokens", self.max_new_tokens, 1)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_memrl.data import Task
+from lightning_memrl.errors import check_option
 from lightning_memrl.memory import TextMemoryStore
 from lightning_memrl.rollout import Generation, GenerationSettings, RolloutEngine
 
@@ -205,6 +206,8 @@ class MemAgentWorkflow(Workflow):
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"workflow chunk_tokens must be >= 1, got {chunk_tokens}")
+        if max_chunks is not None:
+            check_option("model.init_args.workflow.init_args.max_chunks", max_chunks, 1, why="null reads every chunk")
         check_placeholders(
             ("memory_template", memory_template, ("{problem}", "{chunk}", "{memory}")),
             ("answer_template", answer_template, ("{problem}", "{memory}")),
