@@ -37,9 +37,23 @@ def main() -> None:
         return
     try:
         build_cli()
-    except MemRLError as err:  # a user's data or config: the message names it; a traceback would bury it
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:  # a user's data or config: the message names it; a traceback would bury it
+        user_error = _user_error(err)
+        if user_error is None:
+            raise
+        print(f"error: {user_error}", file=sys.stderr)
         sys.exit(2)
+
+
+def _user_error(err: BaseException | None) -> MemRLError | None:
+    """The MemRLError ``err`` is or was raised from (jsonargparse wraps errors of nested classes)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, MemRLError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":
