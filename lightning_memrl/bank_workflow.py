@@ -158,7 +158,10 @@ class BankWorkflow(Workflow):
     def greedy(settings: GenerationSettings) -> GenerationSettings:
         """``settings`` without sampling (frozen parts and validation)."""
         return GenerationSettings(
-            temperature=0.0, max_new_tokens=settings.max_new_tokens, stop_strings=settings.stop_strings
+            temperature=0.0,
+            max_new_tokens=settings.max_new_tokens,
+            stop_strings=settings.stop_strings,
+            max_prompt_length=settings.max_prompt_length,
         )
 
     # ------------------------------------------------------------------ to implement

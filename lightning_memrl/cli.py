@@ -45,5 +45,6 @@ def main() -> None:
         sys.exit(2)
 
 
+
 if __name__ == "__main__":
     main()

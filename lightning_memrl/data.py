@@ -1,13 +1,15 @@
 """Tasks, a synthetic long-context memory task generator, and the ``MemRLDataModule``.
 
 A task is a question, a context (a list of chunks, or one long text the workflow cuts into
-chunks) and gold answers. Files are read through ``datasets`` (JSON, JSONL or Parquet); every
-row is checked before training and a bad one stops the run with its file, row and field.
+chunks) and gold answers. Files are JSON, JSONL (read by :mod:`lightning_memrl.task_files`) or
+Parquet; every row is checked before training and a bad one stops the run with its file, row and field.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memrl.errors import DataError, check_option
 from lightning_memrl.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.task_files import read_json_rows, read_parquet_rows
 
 log = logging.getLogger(__name__)
 
@@ -159,18 +162,54 @@ def synthetic_corpus() -> Iterator[str]:
 
 
 # --------------------------------------------------------------------------- files
-def _check_row(row: dict[str, Any], index: int, source: str, fields: dict[str, str]) -> Task:
-    """Turn one raw row into a Task or raise an error naming the file, row and field."""
-
-    def fail(key: str, problem: str) -> DataError:
-        return DataError(
-            f"{source}: row {index}: field '{fields[key]}' {problem}. Fix the row, or map the "
-            f"field with --data.init_args.field_map (e.g. {{'{key}': 'your_column'}})."
+def _found_instead(row: dict[str, Any]) -> tuple[str, str | None]:
+    """What a row without a required field holds instead, and the fix when it is not a column name."""
+    wrapped = [k for k, v in row.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+    if wrapped:
+        return (
+            f"; the row is an object whose '{wrapped[0]}' holds a list of {len(row[wrapped[0]])} objects",
+            "Write the tasks themselves as the rows: a top-level JSON list ([{...}, {...}]) or one object per "
+            "line in a .jsonl file.",
         )
+    return f"; the row has fields {sorted(row)[:20]}", None
 
+
+def _answer_strings(answers: Any) -> tuple[list[str], str]:
+    """Gold answers as strings, or ``[]`` and what is wrong; finite numbers count (42 -> "42")."""
+    texts = []
+    for i, answer in enumerate(answers if isinstance(answers, list) else [answers]):
+        got = f"item {i} is" if isinstance(answers, list) else "got"
+        if isinstance(answer, bool):
+            return [], f'{got} a boolean ({json.dumps(answer)}): write the answer as text, e.g. "yes"'
+        if isinstance(answer, float) and not math.isfinite(answer):
+            return [], f"{got} {json.dumps(answer)} (not a number, or an empty numeric cell): write the answer as text"
+        if isinstance(answer, float):  # a Parquet column mixing ints and floats is read as float: 42.0 -> "42"
+            texts.append(str(int(answer)) if answer.is_integer() else str(answer))
+        elif isinstance(answer, (str, int)):
+            texts.append(str(answer))
+        else:
+            return [], f"{got} {'null' if answer is None else f'{type(answer).__name__} {answer!r:.40}'}"
+    return texts, "" if texts else "got an empty list"
+
+
+def _check_row(row: Any, index: int, source: str, fields: dict[str, str], line: int | None = None) -> Task:
+    """Turn one raw row into a Task or raise an error naming the file, row (and line) and field."""
+    where = f"{source}: row {index}" + (f" (line {line})" if line is not None else "")
+
+    def fail(key: str, problem: str, fix: str | None = None) -> DataError:
+        fix = fix or f"Fix the row, or map the field with --data.init_args.field_map (e.g. {{'{key}': 'your_column'}})."
+        return DataError(f"{where}: field '{fields[key]}' {problem}. {fix}")
+
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{where}: expected an object with fields {[fields[k] for k in ('question', 'context', 'answers')]}, "
+            f"got a {type(row).__name__} {row!r:.60}"
+        )
     for key in ("question", "context", "answers"):
-        if fields[key] not in row or row[fields[key]] is None:
-            raise fail(key, "is missing")
+        if fields[key] not in row:
+            raise fail(key, "is missing" + _found_instead(row)[0], _found_instead(row)[1])
+        if row[fields[key]] is None:
+            raise fail(key, "is missing (null)")
     question, context, answers = (row[fields[k]] for k in ("question", "context", "answers"))
     if not isinstance(question, str) or not question.strip():
         raise fail("question", f"must be a non-empty string, got {type(question).__name__} {question!r:.40}")
@@ -182,12 +221,9 @@ def _check_row(row: dict[str, Any], index: int, source: str, fields: dict[str, s
             raise fail("context", "has only empty chunks")
     else:
         raise fail("context", "must be a string or a non-empty list of strings")
-    if isinstance(answers, (str, int, float)) and not isinstance(answers, bool):
-        answers = [answers]
-    if not isinstance(answers, list) or not answers or not all(isinstance(a, (str, int, float)) for a in answers):
-        raise fail("answers", "must be a string or a non-empty list of strings")
-    # a column mixing ints and floats is read as float: give 42.0 back as "42"
-    answers = [str(int(a)) if isinstance(a, float) and a.is_integer() else str(a) for a in answers]
+    answers, problem = _answer_strings(answers)
+    if problem:
+        raise fail("answers", f"must be a string or a non-empty list of strings; {problem}", "Fix the row.")
     if not any(a.strip() for a in answers):
         raise fail("answers", "has only empty answers")
     raw_id = row.get(fields["id"])
@@ -195,31 +231,22 @@ def _check_row(row: dict[str, Any], index: int, source: str, fields: dict[str, s
     return Task(question=question, context=context, answers=answers, id=task_id)
 
 
-def _has_no_rows(path: Path, builder: str) -> bool:
-    """True for an empty file, ``[]``, or a Parquet file with zero rows (datasets gives no clear error)."""
-    if path.stat().st_size == 0:
-        return True
-    if builder == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_metadata(path).num_rows == 0
-        except Exception:  # unreadable: datasets reports it below
-            return False
-    with open(path, "rb") as handle:
-        head = handle.read(4096)
-    return head.strip() in (b"", b"[]")
-
-
 def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> list[Task]:
     """Read tasks from a JSON, JSONL or Parquet file and check every row.
+
+    A row needs ``question`` (a non-empty string), ``context`` (a string, or a list of chunk
+    strings) and ``answers`` (a string or a list of strings; finite numbers are accepted and
+    written as text, ``42`` -> ``"42"``, ``2.5`` -> ``"2.5"``; booleans, NaN/Infinity, null and
+    nested values are refused); ``id`` is optional. A ``.json`` file holds a list of rows (JSON
+    Lines work too); a ``.jsonl`` file one row per line. Both must be UTF-8.
 
     Args:
         path: the file.
         field_map: maps ``question``/``context``/``answers``/``id`` to the file's column names.
 
     Raises:
-        DataError: unreadable or empty file, or a row with a missing/empty/mistyped field.
+        DataError: unreadable or empty file (naming the line of invalid UTF-8 or JSON), or a row
+            with a missing/empty/mistyped field (naming the row, its line and the field).
     """
     path = Path(path)
     fields = {"question": "question", "context": "context", "answers": "answers", "id": "id"}
@@ -230,20 +257,12 @@ def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> lis
     if not path.is_file():
         raise DataError(f"{path}: no such file. Pass an existing JSON, JSONL or Parquet file.")
     suffix = path.suffix.lower()
-    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(suffix)
-    if builder is None:
+    if suffix not in (".json", ".jsonl", ".parquet"):
         raise DataError(f"{path}: unsupported extension {suffix!r}; use .json, .jsonl or .parquet")
-    if _has_no_rows(path, builder):
+    rows = [] if path.stat().st_size == 0 else read_parquet_rows(path) if suffix == ".parquet" else read_json_rows(path)
+    if not rows:
         raise DataError(f"{path}: the file has no rows; it needs at least one task")
-    import datasets
-
-    try:
-        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:  # datasets raises many types for unreadable files
-        raise DataError(f"{path}: cannot read as {suffix[1:]}: {err}") from err
-    if len(rows) == 0:
-        raise DataError(f"{path}: the file has no rows")
-    return [_check_row(row, i, str(path), fields) for i, row in enumerate(rows)]
+    return [_check_row(row, i, str(path), fields, line) for i, (row, line) in enumerate(rows)]
 
 
 def _collate(tasks: list[Task]) -> list[Task]:

@@ -13,11 +13,13 @@ import logging
 import math
 import os
 import re
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from lightning_memrl.errors import ConfigError
 from lightning_memrl.rewards import normalize_answer
 from lightning_memrl.workflow import check_placeholders
 
@@ -60,6 +62,31 @@ DEFAULT_JUDGE_PROMPT = (
 )
 
 Transport = Callable[[str, dict[str, str], dict[str, Any]], dict[str, Any]]
+_SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature|^sig$", re.IGNORECASE)
+
+
+def check_url_has_no_credentials(url: str, option: str, api_key_env: str) -> None:
+    """Raise a ConfigError when ``url`` carries a user, password or key-like query parameter.
+
+    A URL is written into ``config.yaml``, ``hparams.yaml`` and checkpoints, so a key in it would
+    leak; keys come only from the environment. The message never repeats the secret.
+    """
+    parts = urllib.parse.urlsplit(url)
+    found = []
+    if parts.username is not None or parts.password is not None:
+        found.append("a user name or password before '@'")
+    found += [
+        f"the query parameter '{name}'"
+        for name, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        if _SECRET_PARAM.search(name)
+    ]
+    if found:
+        safe = urllib.parse.urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+        raise ConfigError(
+            f"{option} carries a credential ({', '.join(found)}); it would be saved in config.yaml, hparams.yaml "
+            f"and checkpoints. Remove it from the URL (e.g. {safe}) and put the key in the environment variable "
+            f"{api_key_env}, not in base_url."
+        )
 
 
 def _http_post(url: str, headers: dict[str, str], payload: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
@@ -72,9 +99,12 @@ class LLMJudge:
     """LLM-as-judge over an OpenAI-compatible ``/chat/completions`` endpoint (used only when configured).
 
     Args:
-        base_url: endpoint root, e.g. ``http://localhost:8000/v1``.
+        base_url: endpoint root, e.g. ``http://localhost:8000/v1``. It must not carry a credential
+            (``user:key@`` or a query parameter such as ``?api_key=``): it is saved with the config
+            and in checkpoints, so such a URL is refused with a :class:`ConfigError`.
         model: model name sent in the request.
-        api_key_env: environment variable holding the API key (unset: no Authorization header).
+        api_key_env: environment variable holding the API key (unset: no Authorization header); the
+            only place a key is read from.
         prompt: template with ``{question}``, ``{gold}``, ``{prediction}``.
         timeout: seconds per request.
         transport: ``(url, headers, payload) -> response JSON``; default: an HTTP POST. Tests
@@ -94,7 +124,9 @@ class LLMJudge:
         transport: Transport | None = None,
     ) -> None:
         check_placeholders(("prompt", prompt, ("{question}", "{gold}", "{prediction}")), owner="LLMJudge")
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        check_url_has_no_credentials(base_url, "LLMJudge base_url", api_key_env)
+        parts = urllib.parse.urlsplit(base_url)  # the path gets /chat/completions; a query (?api-version=) stays
+        self.url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/chat/completions"))
         self.model, self.api_key_env, self.prompt, self.timeout = model, api_key_env, prompt, timeout
         self.transport = transport
         self.calls = 0

@@ -336,19 +336,25 @@ class SQLiteMemoryBank(MemoryBank):
 
     Opening an existing file loads its entries, so a memory written by one process is there for
     the next. If an operation fails half-way (an error, a crash), SQLite rolls it back and the
-    in-memory view is left unchanged, because it is only updated after the commit.
+    in-memory view is left unchanged, because it is only updated after the commit. The file is in
+    WAL mode: a process that reads (:meth:`reload`) sees one committed state, entries and counters
+    together, while another writes, and neither waits for the other (WAL needs a local file system).
 
     Args:
         path: the database file (created with its folder when missing).
         retriever: ``bm25`` or ``dense`` (see :class:`MemoryBank`).
         embedder: embeddings for ``dense`` retrieval.
+        timeout: seconds an operation waits for another process's write before "database is locked".
     """
 
-    def __init__(self, path: str | Path, retriever: str = "bm25", embedder: Embedder | None = None) -> None:
+    def __init__(
+        self, path: str | Path, retriever: str = "bm25", embedder: Embedder | None = None, timeout: float = 30.0
+    ) -> None:
         super().__init__(retriever, embedder)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(str(self.path))
+        self.conn = sqlite3.connect(str(self.path), timeout=timeout)
+        self.conn.execute("PRAGMA journal_mode=WAL")  # readers see a snapshot and never block the writer
         with self.conn:
             self.conn.execute(
                 "CREATE TABLE IF NOT EXISTS entries (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, text TEXT NOT NULL, "
@@ -358,9 +364,13 @@ class SQLiteMemoryBank(MemoryBank):
         self.reload()
 
     def reload(self) -> None:
-        """Re-read the file (e.g. after another process wrote to it)."""
-        rows = self.conn.execute("SELECT id, text, session, time, source_ids FROM entries ORDER BY seq").fetchall()
-        meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+        """Re-read the file (e.g. after another process wrote to it): entries and counters from one snapshot."""
+        self.conn.execute("BEGIN")  # one read transaction: no commit of another process lands between the reads
+        try:
+            rows = self.conn.execute("SELECT id, text, session, time, source_ids FROM entries ORDER BY seq").fetchall()
+            meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+        finally:
+            self.conn.rollback()  # nothing was written: end the read transaction
         self._entries = {r[0]: MemoryEntry(r[0], r[1], r[2], r[3], json.loads(r[4])) for r in rows}
         self.next_id = int(meta.get("next_id", 0))
         self.op_counts = json.loads(meta.get("op_counts", "{}")) or {op.value: 0 for op in MemoryOp}

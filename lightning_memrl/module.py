@@ -775,6 +775,7 @@ class MemRLModule(L.LightningModule):
             temperature=0.0,
             max_new_tokens=self.val_max_new_tokens or self.generation.max_new_tokens,
             stop_strings=self.generation.stop_strings,
+            max_prompt_length=self.generation.max_prompt_length,
         )
         with torch.no_grad():
             rollouts = self.rollout(list(batch), settings)

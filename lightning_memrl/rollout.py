@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memrl.errors import check_option
+from lightning_memrl.errors import DataError, check_option
 from lightning_memrl.logprobs import selected_logprobs
 
 
@@ -27,6 +27,9 @@ class GenerationSettings:
         top_p: nucleus sampling mass (1.0 = off).
         top_k: keep the k most likely tokens (0 = off).
         max_new_tokens: cap of one answer turn; memory turns are capped by the memory budget.
+        max_prompt_length: longest prompt of a turn, in tokens; a longer prompt stops the run with a
+            :class:`~lightning_memrl.errors.DataError` naming its task (it is never truncated). None:
+            the model's ``max_position_embeddings`` minus the turn's new tokens.
         stop_strings: extra strings that end a response (kept in it, like EOS).
     """
 
@@ -34,6 +37,7 @@ class GenerationSettings:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 32
+    max_prompt_length: int | None = None
     stop_strings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -183,6 +187,7 @@ class RolloutEngine:
         settings: GenerationSettings,
         max_new_tokens: int | None = None,
         prefix_labels: list[Any] | None = None,
+        task_ids: list[str] | None = None,
     ) -> list[Generation]:
         """Sample one response per prompt, all prompts in one batch.
 
@@ -192,9 +197,15 @@ class RolloutEngine:
             max_new_tokens: overrides ``settings.max_new_tokens`` for this call.
             prefix_labels: one label per prompt; prompts with equal labels share a prefix (see
                 :func:`shared_prefix_groups`). None detects groups among consecutive prompts.
+            task_ids: the id of the task each prompt belongs to, named when a prompt is too long.
+
+        Raises:
+            DataError: a prompt longer than ``settings.max_prompt_length`` or than the model's
+                context leaves room for (checked before anything is allocated).
         """
         if not prompts:
             return []
+        self.check_prompt_lengths(prompts, settings, max_new_tokens or settings.max_new_tokens, task_ids)
         device = next(self.model.parameters()).device
         groups = shared_prefix_groups(prompts, self.min_shared_prefix, prefix_labels) if self.share_prefixes else []
         cache = None
@@ -231,6 +242,36 @@ class RolloutEngine:
             dim=1,
         ).cpu()
         return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
+
+    def prompt_limit(self, settings: GenerationSettings, max_new_tokens: int) -> tuple[int | None, str]:
+        """Longest prompt a turn may have, and where that limit comes from (None: no limit known)."""
+        context = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        room = context - max_new_tokens if isinstance(context, int) else None
+        limit = settings.max_prompt_length
+        if limit is not None and (room is None or limit <= room):
+            return limit, f"generation.max_prompt_length={limit}"
+        if room is None:
+            return None, ""
+        return room, f"the model's max_position_embeddings={context} minus {max_new_tokens} new tokens"
+
+    def check_prompt_lengths(
+        self,
+        prompts: list[list[int]],
+        settings: GenerationSettings,
+        max_new_tokens: int,
+        task_ids: list[str] | None = None,
+    ) -> None:
+        """Raise a DataError naming the task of the longest prompt over :meth:`prompt_limit`."""
+        limit, source = self.prompt_limit(settings, max_new_tokens)
+        longest = max(range(len(prompts)), key=lambda row: len(prompts[row]))
+        if limit is None or len(prompts[longest]) <= limit:
+            return
+        task = f"task {task_ids[longest]!r}" if task_ids else f"prompt {longest} of this turn"
+        raise DataError(
+            f"{task}: a prompt of {len(prompts[longest])} tokens is longer than the limit of {limit} tokens "
+            f"({source}). Shorten that task's question or context (or lower the workflow's chunk_tokens), "
+            "or set model.init_args.generation.max_prompt_length within the model's context."
+        )
 
     def _cut(self, ids: Tensor, logprobs: Tensor, settings: GenerationSettings) -> Generation:
         """Keep a row's tokens up to its first EOS or stop string (inclusive)."""

@@ -262,6 +262,7 @@ class MemAgentWorkflow(Workflow):
                 settings,
                 max_new_tokens=self.memory.max_memory_tokens,
                 prefix_labels=[id(trajectories[i].task) for i in active],
+                task_ids=[trajectories[i].task.id for i in active],
             )
             for i, prompt, gen in zip(active, prompts, generations):
                 text = self.memory.write(i, gen.token_ids, tokenizer)
@@ -273,7 +274,8 @@ class MemAgentWorkflow(Workflow):
             )
             for i, t in enumerate(trajectories)
         ]
-        answers = engine.generate(prompts, settings, prefix_labels=[id(t.task) for t in trajectories])
+        labels, ids = [id(t.task) for t in trajectories], [t.task.id for t in trajectories]
+        answers = engine.generate(prompts, settings, prefix_labels=labels, task_ids=ids)
         for traj, prompt, gen in zip(trajectories, prompts, answers):
             traj.turns.append(Turn(ANSWER_TURN, prompt, gen, tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
         return trajectories

@@ -186,7 +186,7 @@ def test_bad_data_row_stops_with_file_row_and_field(tmp_path):
     )
     proc = _cli("fit", "--config", TINY, "--data.init_args.train_path", str(bad), cwd=tmp_path)
     assert proc.returncode != 0
-    assert f"{bad}: row 1: field 'question'" in proc.stderr
+    assert f"{bad}: row 1 (line 2): field 'question'" in proc.stderr
 
 
 def test_missing_model_stops_with_the_option_name(tmp_path):

@@ -317,7 +317,7 @@ def _row_error(path: Path, rows: list[dict], field_map: dict[str, str] | None = 
 
 def _assert_names(message: str, path: Path, row_number: int, field_name: str) -> None:
     assert str(path) in message
-    assert f"row {row_number}:" in message  # rows are counted from 0 in file order
+    assert re.search(rf": row {row_number}( \(line \d+\))?: ", message)  # rows are counted from 0 in file order
     assert f"field '{field_name}'" in message
 
 
@@ -563,7 +563,7 @@ def test_datamodule_train_file_with_synthetic_validation(tmp_path):
 def test_datamodule_bad_file_stops_setup(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [row(), row(answers=[])])
     dm = MemRLDataModule(train_path=str(train))
-    with pytest.raises(DataError, match=r"row 1: field 'answers'"):
+    with pytest.raises(DataError, match=r"row 1 \(line 2\): field 'answers'"):
         dm.setup("fit")
 
 

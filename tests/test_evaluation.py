@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from lightning_memrl.errors import ConfigError
 from lightning_memrl.evaluation import LLMJudge, bleu1, evidence_recall
 from lightning_memrl.module import evaluation_report, format_report
 
@@ -85,3 +90,42 @@ def test_report_without_extras_keeps_its_shape():
     report = evaluation_report([(1, 1.0, 1.0), (2, 0.0, 0.0)])
     assert "by_category" not in report and set(report["overall"]) == {"tasks", "exact_match", "f1"}
     assert format_report(report).splitlines()[1].split() == ["chunks", "tasks", "exact_match", "f1"]
+
+
+@pytest.mark.parametrize(
+    ("base_url", "found"),
+    [
+        ("http://user:sk-SECRET@judge.local:8000/v1", "a user name or password before '@'"),
+        ("https://sk-SECRET@judge.local/v1", "a user name or password before '@'"),
+        ("https://judge.local:8000/v1?api_key=sk-SECRET", "the query parameter 'api_key'"),
+        ("https://judge.local:8000/v1?api-version=2024&access_token=sk-SECRET", "the query parameter 'access_token'"),
+        ("https://judge.local:8000/v1?key=sk-SECRET", "the query parameter 'key'"),
+    ],
+)
+def test_llm_judge_refuses_a_credential_in_base_url(base_url, found):
+    with pytest.raises(ConfigError) as info:
+        LLMJudge(base_url, "judge-model", api_key_env="JUDGE_KEY")
+    message = str(info.value)
+    assert f"LLMJudge base_url carries a credential ({found})" in message
+    assert "environment variable JUDGE_KEY" in message
+    assert "SECRET" not in message  # the message never repeats the key
+    assert "https://judge.local" in message or "http://judge.local:8000/v1" in message
+
+
+def test_llm_judge_url_keeps_a_query_that_is_not_a_credential():
+    judge = LLMJudge("https://judge.local:8000/v1/?api-version=2024", "m")
+    assert judge.url == "https://judge.local:8000/v1/chat/completions?api-version=2024"
+
+
+def test_cli_refuses_a_judge_url_with_a_key_in_one_message(tmp_path):
+    """The judge is built inside the workflow inside the model: the error still reaches the user alone."""
+    exe = Path(sys.executable).with_name("lightning-memrl")
+    judge = "{class_path: lightning_memrl.evaluation.LLMJudge, init_args: {base_url: 'http://u:sk-SECRET@h/v1', "
+    judge += "model: m}}"
+    config = Path(__file__).resolve().parents[1] / "configs" / "memory_r1_locomo.yaml"
+    args = [str(exe), "fit", "--config", str(config), "--model.init_args.workflow.init_args.judge", judge]
+    proc = subprocess.run(args, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert "error: LLMJudge base_url carries a credential (a user name or password before '@')" in proc.stderr
+    assert "Traceback" not in proc.stderr and "SECRET" not in proc.stderr
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and "SECRET" in p.read_text(errors="ignore")]
