@@ -1,0 +1,82 @@
+"""The update scores tokens under the distribution the rollout sampled them from.
+
+Models whose logits are post-processed (soft-capping, logit scales) and models whose
+``generation_config`` ships distribution-changing options must give the same log-probs in the
+rollout engine and in ``MemRLModule.sequence_logprobs``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memrl import GenerationSettings, MemRLModule
+from lightning_memrl.rollout import RolloutEngine
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+
+
+def _family(name: str, vocab: int, tokenizer) -> torch.nn.Module:
+    from transformers import (
+        CohereConfig,
+        CohereForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    if name == "gemma2":
+        config = Gemma2Config(**common, head_dim=8, final_logit_softcapping=2.0, attn_implementation="eager")
+        model = Gemma2ForCausalLM(config)
+    elif name == "cohere":
+        model = CohereForCausalLM(CohereConfig(**common, logit_scale=0.25))
+    else:
+        model = GraniteForCausalLM(GraniteConfig(**common, logits_scaling=0.125))
+    with torch.no_grad():  # spread logits so the post-processing matters
+        model.get_output_embeddings().weight.normal_(0, 1.0)
+    return model.eval()
+
+
+def _rollout_and_update(module: MemRLModule, policy, settings: GenerationSettings):
+    module.policy = policy
+    module.engine = RolloutEngine(policy, module.tokenizer, share_prefixes=False)
+    module.generation = settings
+    torch.manual_seed(0)
+    gens = module.engine.generate(PROMPTS, settings)
+    width = max(len(g.token_ids) for g in gens)
+    ids = torch.zeros(len(gens), width, dtype=torch.long)
+    mask = torch.zeros(len(gens), width, dtype=torch.long)
+    for row, g in enumerate(gens):
+        ids[row, : len(g.token_ids)] = torch.tensor(g.token_ids)
+        mask[row, : len(g.token_ids)] = 1
+    with torch.no_grad():
+        update, _ = module.sequence_logprobs(policy, PROMPTS, ids, mask)
+    gap = max(float((update[row, : len(g.token_ids)] - g.logprobs).abs().max()) for row, g in enumerate(gens))
+    return gens, gap
+
+
+@pytest.fixture(scope="module")
+def module() -> MemRLModule:
+    module = MemRLModule("tiny", share_prefixes=False)
+    module.configure_model()
+    return module
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_rollout_and_update_logprobs_agree_on_post_processed_logits(module, family):
+    policy = _family(family, len(module.tokenizer), module.tokenizer)
+    _, gap = _rollout_and_update(module, policy, GenerationSettings(temperature=0.7, max_new_tokens=8))
+    assert gap < 1e-4, f"{family}: rollout/update log-prob gap {gap:.3g}"
