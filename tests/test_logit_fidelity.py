@@ -80,3 +80,22 @@ def test_rollout_and_update_logprobs_agree_on_post_processed_logits(module, fami
     policy = _family(family, len(module.tokenizer), module.tokenizer)
     _, gap = _rollout_and_update(module, policy, GenerationSettings(temperature=0.7, max_new_tokens=8))
     assert gap < 1e-4, f"{family}: rollout/update log-prob gap {gap:.3g}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_model_generation_config_does_not_change_the_sampled_distribution(module, temperature):
+    from lightning_memrl.models import build_tiny_model
+
+    policy = build_tiny_model(module.tokenizer, seed=0).eval()
+    shipped = policy.generation_config
+    shipped.repetition_penalty, shipped.no_repeat_ngram_size = 5.0, 2
+    shipped.min_new_tokens, shipped.suppress_tokens, shipped.typical_p = 12, [7, 8, 9], 0.5
+    settings = GenerationSettings(temperature=temperature, max_new_tokens=12)
+    gens, gap = _rollout_and_update(module, policy, settings)
+    assert gap < 1e-4, f"rollout/update log-prob gap {gap:.3g}"
+    if temperature == 0:  # greedy: every token is the raw policy's argmax
+        for prompt, g in zip(PROMPTS, gens):
+            with torch.no_grad():
+                logits = policy(input_ids=torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1 : -1]
+            assert logits.argmax(-1).tolist() == g.token_ids
+    assert shipped.repetition_penalty == 5.0  # the model's own config is left as it was
