@@ -99,3 +99,52 @@ def test_model_generation_config_does_not_change_the_sampled_distribution(module
                 logits = policy(input_ids=torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1 : -1]
             assert logits.argmax(-1).tolist() == g.token_ids
     assert shipped.repetition_penalty == 5.0  # the model's own config is left as it was
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout):
+    from lightning_memrl import GRPOSettings, LoraSettings, MemRLDataModule, SyntheticTaskConfig
+
+    module = MemRLModule(
+        "tiny",
+        lora=LoraSettings(r=4, alpha=8, dropout=0.3),
+        generation=GenerationSettings(temperature=1.0, max_new_tokens=8),
+        grpo=GRPOSettings(group_size=2, ppo_epochs=2, kl_coef=0.1, disable_dropout=disable_dropout),
+    )
+    module.configure_model()
+    torch.manual_seed(1)
+    with torch.no_grad():  # non-zero lora_B: the adapters' (dropped-out) input matters
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=2, sentences_per_chunk=1))
+    data.setup()
+    torch.manual_seed(0)
+    rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
+    rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    rollouts.trajectory_advantages = module.compute_advantages(rollouts)
+    rollouts.advantages = rollouts.trajectory_advantages[rollouts.turn_to_trajectory][:, None] * rollouts.response_mask
+    ratios, loss = [], module.policy_loss
+
+    def recording_loss(logprobs, old, *args):
+        mask = args[-1]
+        ratios.append(torch.exp(logprobs.detach() - old)[mask])
+        return loss(logprobs, old, *args)
+
+    class _Opt:
+        param_groups = [{"lr": 0.0}]  # no step: every epoch sees the rollout's weights
+
+        def step(self):
+            pass
+
+        def zero_grad(self, set_to_none=True):
+            module.policy.zero_grad(set_to_none=True)
+
+    module.policy_loss, module.optimizers, module.lr_schedulers = recording_loss, _Opt, lambda: None
+    module.manual_backward = lambda value: value.backward()
+    module.update(rollouts)
+    first = torch.cat(ratios[: len(ratios) // 2])
+    if disable_dropout:
+        assert torch.equal(first, torch.ones_like(first))  # identical weights: ratio 1, nothing clipped
+    else:  # dropout left in the training forward: noisy ratios, but never from the old log-probs' side
+        assert float((first - 1).abs().max()) > 0.01
