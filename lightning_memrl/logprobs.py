@@ -102,16 +102,26 @@ def head_logprobs(
     return logprobs, entropy
 
 
+LOGIT_POSTPROCESSING = (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0))
+"""Config options (and their neutral values) of models whose logits are not ``lm_head(hidden)``."""
+
+
 def split_head(model: Any) -> tuple[nn.Module, nn.Linear] | None:
     """The decoder stack and a plain ``nn.Linear`` LM head of ``model``, or None when unavailable.
 
     None (callers then take logits from the model's own forward) when the model has no
-    ``get_decoder``, the head is not a plain linear layer (e.g. adapted by LoRA), or the weights
-    are sharded DTensors, whose root-level parameters only the full module's forward gathers.
+    ``get_decoder``, the head is not a plain linear layer (e.g. adapted by LoRA), the model
+    post-processes its logits (:data:`LOGIT_POSTPROCESSING`: Gemma-2/3 soft-capping, Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``), or the weights are sharded DTensors, whose
+    root-level parameters only the full module's forward gathers.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "get_decoder") or not hasattr(base, "get_output_embeddings"):
         return None
+    config = getattr(base, "config", None)
+    configs = [config, getattr(config, "text_config", None)] if config is not None else []
+    if any(getattr(c, name, neutral) not in (None, neutral) for c in configs for name, neutral in LOGIT_POSTPROCESSING):
+        return None  # the model's forward applies it; sampling saw it too
     head = base.get_output_embeddings()
     if type(head) is not nn.Linear:
         return None

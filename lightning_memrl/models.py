@@ -272,6 +272,29 @@ def _missing_model_message(name_or_path: str, err: Exception) -> str:
     )
 
 
+def keep_4bit_layout(model: Any) -> int:
+    """Keep every bitsandbytes 4-bit weight of ``model`` in the layout it was quantised in.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit weight into a CPU-kernel
+    layout the first time its layer runs in eval mode without gradients (a rollout). That layout
+    is for inference only: its kernel has no autograd formula (the gradient through the frozen
+    base, which the adapters below it need, is dropped), it computes in bf16 whatever
+    ``bnb_4bit_compute_dtype`` says (the rollout's log-probs then come from another model than
+    the update's), and its inverse is lossy (the quantisation constants are rounded to bf16).
+    A policy that trains therefore keeps the portable layout on every CPU: rollouts and updates
+    run the same de-quantise-then-matmul kernel, and the 4-bit base stays bit for bit.
+
+    Returns:
+        the number of 4-bit layers.
+    """
+    from bitsandbytes.nn import Linear4bit
+
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward before it repacks
+    return len(layers)
+
+
 def load_policy(
     name_or_path: str,
     tokenizer: Any,
@@ -334,6 +357,8 @@ def load_policy(
             raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
     if quantization is not None:  # QLoRA: unquantised weights in fp32, input grads on, non-reentrant checkpointing
         from peft import prepare_model_for_kbit_training
+
+        keep_4bit_layout(model)
 
         model = prepare_model_for_kbit_training(
             model,

@@ -73,6 +73,10 @@ class GRPOSettings:
         max_consecutive_skipped_steps: an optimizer step whose loss or gradient norm is NaN or
             infinite is skipped (gradients dropped, ``train/skipped_steps``); this many skipped in
             a row stop the run.
+        disable_dropout: set every dropout of the policy (LoRA's ``dropout`` included) to 0 when
+            the model is configured, as TRL does: with dropout the policy's log-probs are noisy,
+            so ratios to the old policy differ from 1 before any update and clip spuriously. The
+            old and reference log-probs are computed in eval mode (no dropout) either way.
     """
 
     group_size: int = 4
@@ -89,6 +93,7 @@ class GRPOSettings:
     micro_batch_tokens: int = 8192
     max_grad_norm: float = 1.0
     max_consecutive_skipped_steps: int = 5
+    disable_dropout: bool = True
 
     def __post_init__(self) -> None:
         p = "model.init_args.grpo."
@@ -341,6 +346,10 @@ class MemRLModule(L.LightningModule):
             reference = load(reference=True)
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
+        if self.grpo.disable_dropout:
+            for layer in self.policy.modules():
+                if isinstance(layer, torch.nn.modules.dropout._DropoutNd):
+                    layer.p = 0.0
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
         self.engine = RolloutEngine(self.policy, self.tokenizer, share_prefixes=self.share_prefixes)
 
@@ -629,6 +638,8 @@ class MemRLModule(L.LightningModule):
         ref_time = 0.0
         if need_old or need_ref:
             start = time.perf_counter()
+            was_training = self.policy.training
+            self.policy.eval()  # old / reference log-probs without dropout noise
             with torch.no_grad():
                 for b, idx in enumerate(batches):
                     prompts, ids, m = rows(idx)
@@ -641,6 +652,7 @@ class MemRLModule(L.LightningModule):
                         else:
                             with self.reference_context():
                                 ref_lp[b] = self.sequence_logprobs(self.policy, prompts, ids, m)[0]
+            self.policy.train(was_training)
             ref_time = time.perf_counter() - start
         sums: dict[str, float] = {}
         loss_total, grad_norm = 0.0, 0.0

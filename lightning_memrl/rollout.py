@@ -68,6 +68,36 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str =
     return ids.to(device), mask.to(device)
 
 
+NEUTRAL_PROCESSING: dict[str, Any] = {  # every generate option that changes the sampled distribution, set off
+    "repetition_penalty": None,
+    "encoder_repetition_penalty": None,
+    "no_repeat_ngram_size": None,
+    "encoder_no_repeat_ngram_size": None,
+    "min_length": None,
+    "min_new_tokens": None,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "typical_p": None,
+    "min_p": None,
+    "top_h": None,
+    "epsilon_cutoff": None,
+    "eta_cutoff": None,
+    "guidance_scale": None,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+}
+"""Passed to every ``generate`` call: ``generate`` fills an option the call leaves unset from the
+model's ``generation_config`` (Qwen2.5-Instruct ships ``repetition_penalty: 1.05``), which would
+sample from another distribution than the one whose log-probs are recorded and trained on."""
+
 MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a separate prefill
 
 
@@ -215,6 +245,7 @@ class RolloutEngine:
             input_ids, attention_mask = self.left_pad(prompts, device)
         greedy = settings.temperature <= 0
         kwargs: dict[str, Any] = {
+            **NEUTRAL_PROCESSING,  # only temperature / top-p / top-k shape the distribution
             "max_new_tokens": max_new_tokens or settings.max_new_tokens,
             "do_sample": not greedy,
             "pad_token_id": self.pad_id,

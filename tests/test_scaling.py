@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 
@@ -45,6 +46,20 @@ def saved_tiny(tmp_path_factory, tiny_tokenizer):
     return str(path)
 
 
+def _dequantized(layer) -> torch.Tensor:
+    """A 4-bit layer's weight de-quantised to fp32, whichever layout bitsandbytes keeps it in.
+
+    A weight repacked for the AVX512-BF16 CPU kernel is unpacked from a copy first (the module
+    keeps its layout); the 4-bit codes survive the repack exactly, the constants to bf16 precision.
+    """
+    import bitsandbytes.functional as bnb_f
+
+    data, state = layer.weight.data, layer.weight.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        data, state = bnb_f._convert_weight_packed_for_cpu_inverse(data.clone(), copy.deepcopy(state))
+    return bnb_f.dequantize_4bit(data, state).float()
+
+
 def test_qlora_loads_4bit_trains_adapters_and_keeps_base_frozen(saved_tiny, tmp_path):
     from bitsandbytes.nn import Linear4bit
 
@@ -59,8 +74,8 @@ def test_qlora_loads_4bit_trains_adapters_and_keeps_base_frozen(saved_tiny, tmp_
     assert module._reference is None  # the reference is the 4-bit base with adapters disabled
     layers = [m for m in module.policy.modules() if isinstance(m, Linear4bit)]
     assert len(layers) == 14  # 7 projections x 2 layers
-    base_before = {id(m): m.weight.detach().clone() for m in layers}
     assert all(m.weight.dtype == torch.uint8 for m in layers)
+    base_before = {id(m): _dequantized(m) for m in layers}
     adapters_before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
     assert adapters_before and all("lora_" in n for n in adapters_before)
 
@@ -70,9 +85,9 @@ def test_qlora_loads_4bit_trains_adapters_and_keeps_base_frozen(saved_tiny, tmp_
     assert math.isfinite(float(logged["train/loss"])) and math.isfinite(float(logged["train/kl"]))
     after = dict(module.policy.named_parameters())
     assert any(not torch.equal(adapters_before[n], after[n]) for n in adapters_before)
-    for m in layers:  # still 4-bit, bit for bit
+    for m in layers:  # still 4-bit, and the base did not train: de-quantised weights equal bit for bit
         assert isinstance(m, Linear4bit) and m.weight.dtype == torch.uint8
-        assert torch.equal(m.weight, base_before[id(m)])
+        assert torch.equal(_dequantized(m), base_before[id(m)])
 
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
@@ -80,6 +95,51 @@ def test_qlora_loads_4bit_trains_adapters_and_keeps_base_frozen(saved_tiny, tmp_
         with module.reference_context():
             reference = module.policy(input_ids=ids).logits
     assert torch.isfinite(reference).all() and not torch.allclose(reference, adapted)
+
+
+def test_base_check_reads_a_weight_repacked_for_the_cpu_kernel(saved_tiny, tiny_tokenizer):
+    """The repack itself (pure tensor code, runs on any CPU): same codes, constants to bf16 precision."""
+    import bitsandbytes.functional as bnb_f
+    from bitsandbytes.nn import Linear4bit
+
+    policy = load_policy(saved_tiny, tiny_tokenizer, lora=LoraSettings(r=4), quantization=QuantizationSettings())
+    layer = next(m for m in policy.modules() if isinstance(m, Linear4bit))
+    before = _dequantized(layer)
+    shape = tuple(layer.weight.data.shape)
+    layer.weight.data, layer.weight.quant_state = bnb_f._convert_weight_packed_for_cpu(
+        layer.weight.data, layer.weight.quant_state
+    )
+    assert tuple(layer.weight.data.shape) != shape  # what made the old uint8 comparison fail
+    repacked = _dequantized(layer)
+    assert repacked.shape == before.shape
+    torch.testing.assert_close(repacked, before, rtol=0, atol=float(before.abs().max()) * 2**-7)
+
+
+def test_qlora_update_is_the_same_on_a_cpu_that_repacks_4bit_weights(saved_tiny, monkeypatch):
+    """An AVX512-BF16 CPU is simulated by its capability check; the policy keeps the portable layout there."""
+    import bitsandbytes.nn.modules as bnb_modules
+    from bitsandbytes.nn import Linear4bit
+
+    qlora = {"model_name_or_path": saved_tiny, "quantization": QuantizationSettings(bnb_4bit_compute_dtype="float32")}
+    stats, grads, rollouts, lora_state, _ = _update_grads(False, **qlora)
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+    shapes: dict[str, list[tuple]] = {}
+
+    def before_update(module):  # an eval, no-grad rollout first: where bitsandbytes would repack
+        layers = {n: m for n, m in module.policy.named_modules() if isinstance(m, Linear4bit)}
+        shapes.update({n: [tuple(m.weight.data.shape)] for n, m in layers.items()})
+        task = rollouts.trajectories[0].task
+        module.rollout([task, task], module.generation)
+        for n, m in layers.items():
+            shapes[n].append(tuple(m.weight.data.shape))
+
+    stats_b, grads_b, _, _, _ = _update_grads(False, rollouts, lora_state, before_update=before_update, **qlora)
+    assert stats_b["loss"] == pytest.approx(stats["loss"], rel=1e-6, abs=1e-8)
+    assert stats_b["kl"] == pytest.approx(stats["kl"], rel=1e-6, abs=1e-9)
+    assert grads and set(grads_b) == set(grads) and any(g.abs().sum() > 0 for g in grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+    assert len(shapes) == 14 and all(before == after for before, after in shapes.values())  # never repacked
 
 
 def test_quantization_errors_name_the_option(saved_tiny, tiny_tokenizer):
@@ -94,13 +154,14 @@ def test_quantization_errors_name_the_option(saved_tiny, tiny_tokenizer):
     assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.bnb_4bit_use_double_quant
 
 
-def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None):
+def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None, before_update=None, **kwargs):
     """Loss and LoRA gradients of one GRPO update on fixed rollouts (optimizer step captured)."""
     module = _module(
         lora=LoraSettings(r=4, alpha=8),
         gradient_checkpointing=gradient_checkpointing,
         grpo=GRPOSettings(group_size=2, kl_coef=0.1, max_grad_norm=0.0),
         share_prefixes=False,  # same decoder calls with and without checkpointing: only the recomputation differs
+        **kwargs,
     )
     module.configure_model()
     if lora_state is None:
@@ -144,6 +205,8 @@ def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None):
         return forward(*args, **kwargs)
 
     mlp.forward = counting_forward
+    if before_update is not None:
+        before_update(module)
     stats = module.update(rollouts)
     state = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "lora_" in n}
     return stats, captured, rollouts, state, calls
