@@ -12,9 +12,10 @@ of :meth:`policy_loss`, gradient clipping, optimizer and LR-scheduler steps → 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torchmetrics import MeanMetric
 from lightning_memrl import distributed, grpo
 from lightning_memrl.data import Task
 from lightning_memrl.evaluation import bleu1
+from lightning_memrl.frozen import FrozenRolloutEngine
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.rewards import (
@@ -46,6 +48,8 @@ from lightning_memrl.rollout import (
 )
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class GRPOSettings:
@@ -60,7 +64,8 @@ class GRPOSettings:
         clip_low: lower ratio clip ε_low.
         clip_high: upper ratio clip ε_high (clip-higher: DAPO uses 0.28).
         dual_clip: dual-clip constant c (> 1) for negative advantages; None disables it.
-        kl_coef: weight β of the KL penalty; 0 loads and runs no reference model.
+        kl_coef: weight β of the KL penalty; 0 runs no reference pass (and, unless a workflow
+            needs a frozen model for its frozen agents, loads no reference copy).
         kl_estimator: ``k1``, ``k3`` or ``low_var_kl``.
         entropy_coef: weight of an entropy bonus (subtracted from the loss).
         ppo_epochs: optimisation passes over each rollout batch (one optimizer step each).
@@ -258,7 +263,10 @@ class MemRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
-        """Load tokenizer, policy and (only when ``kl_coef > 0`` and no LoRA) the reference.
+        """Load tokenizer, policy and (without LoRA, when ``kl_coef > 0`` or the workflow
+        ``needs_frozen_model``) the reference: a frozen copy of the initial weights.
+
+        A workflow that needs a frozen model gets :meth:`frozen_engine` as its ``frozen_engine``.
 
         Idempotent: Lightning calls it for every fit/validate/test/predict. Under
         ``ModelParallelStrategy`` both models are loaded on rank 0, and every decoder layer and
@@ -303,12 +311,34 @@ class MemRLModule(L.LightningModule):
 
         self.tokenizer = load_tokenizer(self.model_name_or_path)
         self.policy = load()
-        if self.grpo.kl_coef > 0 and self.lora is None:
+        needs_frozen = self.workflow.needs_frozen_model()
+        if (self.grpo.kl_coef > 0 or needs_frozen) and self.lora is None:
             reference = load(reference=True)
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
         self.engine = RolloutEngine(self.policy, self.tokenizer, share_prefixes=self.share_prefixes)
+        if needs_frozen:
+            frozen = self.workflow.frozen_engine = self.frozen_engine()
+            log.info("%s: frozen agents generate with %s", type(self.workflow).__name__, frozen.description)
+
+    def frozen_engine(self) -> FrozenRolloutEngine:
+        """A rollout engine over the model a workflow's frozen agents use: the LoRA base with the
+        adapters disabled, else the reference (a frozen copy of the initial weights)."""
+        if self.lora is not None:
+            return FrozenRolloutEngine(
+                self.policy,
+                self.tokenizer,
+                f"the base model {self.model_name_or_path} with LoRA adapters disabled",
+                context=self.policy.disable_adapter,
+                share_prefixes=self.share_prefixes,
+            )
+        return FrozenRolloutEngine(
+            self._reference,
+            self.tokenizer,
+            f"a frozen copy of the initial weights of {self.model_name_or_path}",
+            share_prefixes=self.share_prefixes,
+        )
 
     def reference_context(self) -> Any:
         """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
@@ -322,7 +352,11 @@ class MemRLModule(L.LightningModule):
         use_cache = self.policy.config.use_cache
         self.policy.config.use_cache = True
         try:
-            with distributed.unsharded_for_rollout(self.policy):  # sharded: gathered once, no collectives
+            with ExitStack() as stack:
+                stack.enter_context(distributed.unsharded_for_rollout(self.policy))  # sharded: gathered once
+                if self.workflow.frozen_engine is not None and self._reference is not None:
+                    self._reference.to(self.device)  # the frozen agents' model
+                    stack.enter_context(distributed.unsharded_for_rollout(self._reference))
                 trajectories = self.workflow.rollout(self.engine, tasks, settings)
         finally:
             self.policy.config.use_cache = use_cache

@@ -144,7 +144,27 @@ def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = No
 
 
 class Workflow:
-    """How tasks are turned into trajectories. Subclass and implement :meth:`rollout`."""
+    """How tasks are turned into trajectories. Subclass and implement :meth:`rollout`.
+
+    A workflow whose agents are not all trained (e.g. Memory-R1's answer agent while its manager
+    trains) returns True from :meth:`needs_frozen_model`; ``MemRLModule`` then sets
+    :attr:`frozen_engine`, a :class:`~lightning_memrl.rollout.RolloutEngine` over a model that
+    never trains (the LoRA base with adapters disabled, else a frozen copy of the initial
+    weights), and the frozen agents' turns generate with it.
+    """
+
+    frozen_engine: RolloutEngine | None = None  # set by MemRLModule when needs_frozen_model()
+    memory_per_chunk: bool = False  # each memory turn writes trajectory.memories[k] after reading chunks[k]
+
+    def needs_frozen_model(self) -> bool:
+        """True when some agents must generate with a fixed model while the policy trains."""
+        return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (e.g. in a checkpoint's hyper-parameters) without ``frozen_engine``, which holds a model."""
+        state = self.__dict__.copy()
+        state.pop("frozen_engine", None)
+        return state
 
     def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         """Run one trajectory per entry of ``tasks`` (group members are repeated entries)."""
@@ -192,6 +212,8 @@ class MemAgentWorkflow(Workflow):
         system_prompt: optional system message of every turn.
         empty_memory: what the first turn shows as memory.
     """
+
+    memory_per_chunk = True
 
     def __init__(
         self,
