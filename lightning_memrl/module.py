@@ -573,13 +573,17 @@ class MemRLModule(L.LightningModule):
         )
         lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
         batches = micro_batches(lengths, g.micro_batch_tokens)
-        if not batches and not distributed.is_distributed():  # no trainable turn (e.g. only frozen agents spoke)
+        if distributed.max_over_ranks(len(batches)) == 0:  # no trainable turn on any rank (only frozen agents spoke)
             opt.step()  # still one step: global_step advances, a workflow module's gradients apply
             opt.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
             return {"loss": 0.0, "grad_norm": 0.0, "reference_time": 0.0, "logprob_gap": 0.0, "micro_batches": 0.0}
+        placeholder = not batches  # only this rank has no trainable turn: zero-weight passes keep it in step
+        if placeholder:
+            rollouts, weights, batches = rollouts.with_placeholder_row(self.engine.pad_id), torch.zeros(1, 1), [[0]]
         batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
+        real_batches = 0 if placeholder else real_batches
 
         def rows(idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:
             width = int(rollouts.response_mask[idx].sum(-1).max())  # trim shared padding
@@ -683,7 +687,7 @@ class MemRLModule(L.LightningModule):
             "train/advantage_abs": float(rollouts.trajectory_advantages.abs().mean()),
             "train/response_length": float(lengths[~is_mem].mean()) if (~is_mem).any() else 0.0,
             "train/memory_length": float(lengths[is_mem].mean()) if is_mem.any() else 0.0,
-            "train/truncation_ratio": float(rollouts.truncated.float().mean()),
+            "train/truncation_ratio": float(rollouts.truncated.float().mean()) if rollouts.truncated.numel() else 0.0,
             "train/turns_per_trajectory": rollouts.response_ids.shape[0] / rollouts.num_trajectories,
             "train/loss": stats["loss"],
             "train/grad_norm": stats["grad_norm"],
@@ -699,8 +703,8 @@ class MemRLModule(L.LightningModule):
             "time/rollout_tokens_per_s": tokens / max(rollout_time, 1e-9),
             "time/update_tokens_per_s": tokens * self.grpo.ppo_epochs / max(update_time, 1e-9),
         }
-        if "kl" in stats:
-            metrics["train/kl"] = stats["kl"]
+        if self.grpo.kl_coef > 0:  # every rank logs the same keys (sync_dist), one without turns too
+            metrics["train/kl"] = stats.get("kl", 0.0)
         for name, values in rollouts.reward_components.items():
             scored = values[~torch.isnan(values)]
             metrics[f"train/reward/{name}"] = float(scored.mean()) if scored.numel() else math.nan

@@ -9,7 +9,7 @@ Other paradigms (a memory bank with operations, retrieval) subclass :class:`Work
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -132,6 +132,25 @@ class RolloutBatch:
     @property
     def num_trajectories(self) -> int:
         return len(self.trajectories)
+
+    def with_placeholder_row(self, pad_id: int) -> RolloutBatch:
+        """A copy holding one zero-advantage row (one pad token) instead of its turns.
+
+        Under sharding every rank must run the same forward/backward passes; a rank without a
+        trainable turn runs this row, its loss scaled by zero, to join the other ranks' passes.
+        """
+        return replace(
+            self,
+            prompt_ids=[[pad_id]],
+            response_ids=torch.full((1, 1), pad_id, dtype=torch.long),
+            response_mask=torch.ones((1, 1), dtype=torch.long),
+            rollout_logprobs=torch.zeros((1, 1)),
+            turn_to_trajectory=torch.zeros(1, dtype=torch.long),
+            memory_tokens_mask=torch.zeros(1, dtype=torch.bool),
+            truncated=torch.zeros(1, dtype=torch.bool),
+            turn_rewards=torch.zeros(1),
+            advantages=torch.zeros((1, 1)),
+        )
 
 
 def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
