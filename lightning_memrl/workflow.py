@@ -169,7 +169,9 @@ class Workflow:
     trains) returns True from :meth:`needs_frozen_model`; ``MemRLModule`` then sets
     :attr:`frozen_engine`, a :class:`~lightning_memrl.rollout.RolloutEngine` over a model that
     never trains (the LoRA base with adapters disabled, else a frozen copy of the initial
-    weights), and the frozen agents' turns generate with it.
+    weights), and the frozen agents' turns generate with it. ``memory_per_chunk`` says whether
+    memory turn ``k`` writes ``trajectory.memories[k]`` after reading ``trajectory.chunks[k]``
+    (what ``MemoryTokenCredit`` needs).
     """
 
     frozen_engine: RolloutEngine | None = None  # set by MemRLModule when needs_frozen_model()
