@@ -6,9 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from lightning_memrl.callbacks.base import MemRLCallback
 
+from lightning_memrl.callbacks.base import MemRLCallback
+from lightning_memrl.errors import ConfigError
 from lightning_memrl.rewards import normalize_answer
+from lightning_memrl.workflow import MEMORY_TURN
 
 if TYPE_CHECKING:
     from lightning_memrl.workflow import RolloutBatch, Trajectory
@@ -41,7 +43,11 @@ class MemoryTokenCredit(MemRLCallback):
     For tokens of memory turns: ``A = (1 - weight) * A_trajectory + weight * credit``; answer
     turns keep the trajectory advantage. A memory that kept the evidence is reinforced even when
     the answer turn then failed, and one that dropped it is discouraged even when the answer was
-    a lucky guess.
+    a lucky guess. Turns that are not trained (a frozen agent's) get no credit and take no row.
+
+    Works with workflows whose memory turn ``k`` writes ``trajectory.memories[k]`` after reading
+    ``trajectory.chunks[k]`` (``Workflow.memory_per_chunk``: MemAgent); any other workflow (e.g.
+    a memory-bank one, whose memory turns are operations) is refused at setup.
 
     Args:
         weight: share of the memory credit in [0, 1].
@@ -54,15 +60,35 @@ class MemoryTokenCredit(MemRLCallback):
         self.credit_sum = 0.0  # lifetime sums for logging, saved in checkpoints
         self.credited_turns = 0
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse a workflow whose memory turns do not each write one memory text after one chunk."""
+        workflow = getattr(pl_module, "workflow", None)
+        if workflow is not None and not getattr(workflow, "memory_per_chunk", False):
+            raise ConfigError(
+                f"MemoryTokenCredit cannot credit the memory turns of {type(workflow).__name__}: it scores each "
+                "memory turn by whether the memory it wrote (trajectory.memories[k]) still holds the gold answer "
+                "after reading chunk k, and this workflow records no such memory per turn (memory_per_chunk is "
+                "False; a memory-bank workflow's memory turns are operations). Remove the callback for this workflow."
+            )
+
     def on_advantages(self, trainer: L.Trainer, module: L.LightningModule, rollouts: RolloutBatch) -> None:
         credits = torch.zeros(rollouts.response_ids.shape[0])
-        row = 0
-        for trajectory in rollouts.trajectories:
-            memory_credits = iter(memory_write_credits(trajectory))
-            for _turn in trajectory.turns:
-                if rollouts.memory_tokens_mask[row]:
-                    credits[row] = next(memory_credits)
-                row += 1
+        row = 0  # rows are the trainable turns, in trajectory order
+        for index, trajectory in enumerate(rollouts.trajectories):
+            memory_turns = [t for t in trajectory.turns if t.kind == MEMORY_TURN]
+            memory_credits = memory_write_credits(trajectory)
+            if len(memory_credits) != len(memory_turns):
+                raise ValueError(
+                    f"MemoryTokenCredit: trajectory {index} (task {trajectory.task.id!r}) has {len(memory_turns)} "
+                    f"memory turns but {len(memory_credits)} (chunk, memory) pairs; its workflow must record the "
+                    "chunk read and the memory written by each memory turn"
+                )
+            credit_of = iter(memory_credits)
+            for turn in trajectory.turns:
+                credit = next(credit_of) if turn.kind == MEMORY_TURN else 0.0
+                if turn.trainable:
+                    credits[row] = credit
+                    row += 1
         is_memory = rollouts.memory_tokens_mask.unsqueeze(-1)  # [M, 1]
         mixed = (1 - self.weight) * rollouts.advantages + self.weight * credits.unsqueeze(-1)
         mask = rollouts.response_mask.bool()

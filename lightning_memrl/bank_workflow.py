@@ -2,11 +2,15 @@
 
 Both paradigms first turn a conversation into a :class:`~lightning_memrl.memory_bank.MemoryBank`
 (Memory-R1: extract facts, then one ADD/UPDATE/DELETE/NOOP per fact; RMM: summarise topics, then
-add or merge each), then answer a question from retrieved entries. A part that is not trained
-(``trainable=False`` turns) runs greedily, once per conversation, and its result is cached: a
-frozen agent then behaves the same for every question and group member, and costs nothing after
-its first use. Greedy validation builds one bank per conversation and reuses it for every question
-of that conversation until the next training rollout changes the policy.
+add or merge each), then answer a question from retrieved entries.
+
+An agent that is not trained in the current stage (a *frozen* agent) generates with
+``frozen_engine``: a fixed model that ``MemRLModule`` provides (the LoRA base with adapters
+disabled, else a frozen copy of the initial weights), never with the policy being trained, so it
+behaves the same at every step. Its results (facts, reflection banks) are built greedily, once per
+conversation, cached, and logged with the model that built them. An agent that trains uses the
+policy; its greedy results (validation banks) are cached only until the next training rollout,
+which precedes an optimizer step and so makes them stale.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from lightning_memrl.data import DataError, Task
 from lightning_memrl.evaluation import LLMJudge, evidence_recall
+from lightning_memrl.frozen import engine_description
 from lightning_memrl.locomo import Conversation, DialogTurn, Session
 from lightning_memrl.memory_bank import MemoryBank
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
@@ -154,6 +159,34 @@ class BankWorkflow(Workflow):
                 turns.append(Turn(kind, prompt, gen, text, trainable=trainable))
         return turns
 
+    def engine_for(self, engine: RolloutEngine, trained: bool) -> RolloutEngine:
+        """The engine an agent generates with: the policy's when the agent is ``trained`` in this
+        stage (also in validation), else :attr:`frozen_engine`.
+
+        Raises:
+            RuntimeError: a frozen agent while no frozen engine was set although the policy trains.
+        """
+        if trained:
+            return engine
+        if self.frozen_engine is not None:
+            return self.frozen_engine
+        if self.needs_frozen_model():
+            raise RuntimeError(
+                f"{type(self).__name__} has frozen agents but no frozen_engine: MemRLModule sets it in "
+                "configure_model; when calling rollout yourself set workflow.frozen_engine to a "
+                "RolloutEngine over a model that does not train"
+            )
+        return engine  # nothing trains the policy: it is the fixed model
+
+    def policy_will_change(self) -> None:
+        """Drop results the policy built greedily: a training rollout precedes an optimizer step."""
+        self._bank_cache.clear()
+
+    @staticmethod
+    def describe(engine: RolloutEngine) -> str:
+        """Which model ``engine`` generates with (for logs)."""
+        return engine_description(engine)
+
     @staticmethod
     def greedy(settings: GenerationSettings) -> GenerationSettings:
         """``settings`` without sampling (frozen parts and validation)."""
@@ -202,7 +235,7 @@ class BankWorkflow(Workflow):
                     self._bank_cache[conversation.id] = bank
             banks = [self._bank_cache[c.id] for c in conversations]
         else:
-            self._bank_cache.clear()  # the policy is about to change: greedy banks go stale
+            self.policy_will_change()  # greedy banks the policy built go stale
             built = self.build_banks(engine, conversations, settings, trainable=True)
             banks = []
             for trajectory, (bank, turns) in zip(trajectories, built):

@@ -19,8 +19,9 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_memrl.errors import DataError, check_option
+from lightning_memrl.errors import ConfigError, DataError, check_option
 from lightning_memrl.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.splits import check_held_apart, load_locomo_split
 from lightning_memrl.task_files import read_json_rows, read_parquet_rows
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,13 @@ class MemRLDataModule(L.LightningDataModule):
         locomo_path: a LoCoMo JSON file or folder (see ``lightning_memrl.locomo``) used for the
             splits that have no ``train_path``/``val_path``.
         locomo: which LoCoMo questions train (categories, session and question caps, conversation ids).
-        locomo_val: which LoCoMo questions validate (default: the same as ``locomo``).
+        locomo_val: which LoCoMo questions validate (default: the same filters as ``locomo``).
+        locomo_val_conversations: split ``locomo_path`` by conversation: the last N conversations
+            that ``locomo`` keeps (files sorted by name, conversations in file order) validate,
+            with ``locomo_val``'s filters, and the others train. 0: no split (choose
+            ``locomo.conversations`` and ``locomo_val.conversations`` apart). Needs both splits
+            from ``locomo_path`` (unused without it). A fit whose validation tasks repeat training
+            tasks is refused.
         field_map: maps ``question``, ``context``, ``answers``, ``id`` to column names.
         synthetic: generator settings of training tasks when ``train_path`` is None.
         synthetic_val: generator settings of validation tasks when ``val_path`` is None (use a
@@ -297,6 +304,7 @@ class MemRLDataModule(L.LightningDataModule):
         locomo_path: str | None = None,
         locomo: LoCoMoSettings | None = None,
         locomo_val: LoCoMoSettings | None = None,
+        locomo_val_conversations: int = 0,
         synthetic: SyntheticTaskConfig | None = None,
         synthetic_val: SyntheticTaskConfig | None = None,
         batch_size: int = 2,
@@ -311,6 +319,14 @@ class MemRLDataModule(L.LightningDataModule):
         self.train_path, self.val_path, self.field_map = train_path, val_path, field_map
         self.locomo_path, self.locomo = locomo_path, locomo or LoCoMoSettings()
         self.locomo_val = locomo_val or self.locomo
+        if locomo_val_conversations < 0:
+            raise ConfigError(f"data.init_args.locomo_val_conversations must be >= 0, got {locomo_val_conversations}")
+        if locomo_val_conversations and (train_path or val_path):
+            raise ConfigError(
+                "data.init_args.locomo_val_conversations splits locomo_path by conversation into both splits: "
+                "unset train_path and val_path, or set locomo_val_conversations: 0"
+            )
+        self.locomo_val_conversations = locomo_val_conversations
         self.synthetic = synthetic or SyntheticTaskConfig()
         self.synthetic_val = synthetic_val or SyntheticTaskConfig(num_tasks=16, seed=self.synthetic.seed + 1000)
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
@@ -319,7 +335,11 @@ class MemRLDataModule(L.LightningDataModule):
         self.val_tasks: list[Task] = []
 
     def setup(self, stage: str | None = None) -> None:
-        """Load (and check) the tasks once."""
+        """Load (and check) the tasks once; a fit that validates must validate on other tasks than it trains on."""
+        if self.locomo_path and self.locomo_val_conversations and not (self.train_tasks or self.val_tasks):
+            self.train_tasks, self.val_tasks = load_locomo_split(
+                self.locomo_path, self.locomo, self.locomo_val, self.locomo_val_conversations
+            )
         if not self.train_tasks:
             self.train_tasks = (
                 load_tasks(self.train_path, self.field_map)
@@ -341,6 +361,9 @@ class MemRLDataModule(L.LightningDataModule):
                 f"data.batch_size={self.batch_size} but only {len(self.train_tasks)} training tasks: "
                 "lower batch_size or add tasks (the last incomplete batch is dropped)"
             )
+        validates = self.trainer is None or self.trainer.limit_val_batches != 0
+        if stage in (None, "fit") and validates:  # a fit that never validates has no in-sample number
+            check_held_apart(self.train_tasks, self.val_tasks)
         log.info("tasks: %d train, %d validation", len(self.train_tasks), len(self.val_tasks))
 
     def train_dataloader(self) -> DataLoader:

@@ -77,11 +77,12 @@ def equalize_micro_batches(batches: list[list[int]]) -> tuple[list[list[int]], i
 
     Every rank must run the same number of forward/backward passes under FSDP (each one is a
     collective). Returns the padded list and the number of real micro-batches: the caller scales
-    the loss of the extra ones by zero.
+    the loss of the extra ones by zero. A rank with no micro-batch gets empty ones (``[]``) to
+    fill with a placeholder row (``MemRLModule.update`` gives it one before calling this).
     """
     real = len(batches)
     target = max_over_ranks(real)
-    return batches + [batches[-1]] * (target - real), real
+    return batches + [batches[-1] if batches else []] * (target - real), real
 
 
 # --------------------------------------------------------------------------- decoder layers

@@ -5,10 +5,16 @@ memories retrieved for it and picks one operation, which is applied to the bank.
 sees the memories retrieved for the question, writes the ids of those it uses (memory
 distillation) and then the answer. Training stages (``stage``):
 
-- ``manager``: manager turns are trained; the answer agent is frozen (greedy, no loss), so the
-  reward (e.g. exact match of its answer) judges the bank the manager built.
+- ``manager``: manager turns are trained; the answer agent is frozen, so the reward (e.g. exact
+  match of its answer) judges the bank the manager built, by a judge that does not change.
 - ``answerer``: the answer turn is trained (reward EM/F1); extractor and manager are frozen, so
   each conversation's bank is built once, greedily, and cached.
+
+A frozen agent (and the extractor unless ``train_extractor``) generates greedily with the
+workflow's ``frozen_engine`` (see :mod:`lightning_memrl.bank_workflow`), a model that does not
+train: its facts and banks are the same at every step, and a log line names the model that built
+them. With ``train_extractor`` the extractor is the policy: its validation facts are cached only
+until the next training rollout.
 
 A manager output that names no usable operation is a NOOP with a format penalty on that turn
 (``turn.reward = -format_penalty``); it is counted, logged, and never stops the run. All turns are
@@ -115,11 +121,22 @@ class MemoryR1Workflow(BankWorkflow):
         self.train_extractor = train_extractor and stage == "manager"
         self.extract_template, self.manage_template = extract_template, manage_template
         self.answer_template = answer_template
-        self._facts_cache: dict[str, list[list[tuple[str, list[str]]]]] = {}  # frozen extractor's facts
+        # greedy facts per conversation: the frozen model's (kept), or the trained extractor's (until it trains)
+        self._facts_cache: dict[str, list[list[tuple[str, list[str]]]]] = {}
         self._step_counts: Counter[str] = Counter()  # counts of the last training rollout
 
     def banks_are_frozen(self) -> bool:
         return self.stage == "answerer"
+
+    def needs_frozen_model(self) -> bool:
+        """Always: the answer agent (stage manager) or the extractor and manager (answerer) are frozen."""
+        return True
+
+    def policy_will_change(self) -> None:
+        """Also drop the extractor's cached facts when the extractor is the policy being trained."""
+        super().policy_will_change()
+        if self.train_extractor:
+            self._facts_cache.clear()
 
     def max_response_tokens(self, settings: GenerationSettings) -> int:
         return max(settings.max_new_tokens, self.manage_max_tokens, self.extract_max_tokens)
@@ -130,7 +147,8 @@ class MemoryR1Workflow(BankWorkflow):
     ) -> tuple[list[list[list[tuple[str, list[str]]]]], list[list[Turn]]]:
         """Facts per conversation per segment (``(fact, source dia_ids)``) and the extraction turns.
 
-        A frozen extractor runs greedily once per conversation (cached) and adds no turns.
+        Outside a training rollout the extractor runs greedily once per conversation (cached) and
+        adds no turns: with the frozen model unless ``train_extractor``.
         """
         todo = conversations if trainable else [c for c in {c.id: c for c in conversations}.values()]
         todo = [c for c in todo if trainable or c.id not in self._facts_cache]
@@ -140,6 +158,9 @@ class MemoryR1Workflow(BankWorkflow):
             for _, seg in jobs
         ]
         gen_settings = settings if trainable else self.greedy(settings)
+        engine = self.engine_for(engine, self.train_extractor)
+        if todo and not trainable:
+            log.info("Memory-R1: facts of %d conversations extracted by %s", len(todo), self.describe(engine))
         turns = self.generate_turns(engine, texts, gen_settings, self.extract_max_tokens, EXTRACT_TURN, trainable)
         facts: list[list[list[tuple[str, list[str]]]]] = [[] for _ in todo]
         turns_of: list[list[Turn]] = [[] for _ in todo]
@@ -166,6 +187,7 @@ class MemoryR1Workflow(BankWorkflow):
         banks = [self.new_bank() for _ in conversations]
         counts: Counter[str] = Counter()
         gen_settings = settings if manager_trainable else self.greedy(settings)
+        manager = self.engine_for(engine, self.stage == "manager")
         for r in range(max((len(s) for s in segments), default=0)):
             jobs = []  # (slot, fact, source ids, ids shown) in application order
             texts = []
@@ -185,7 +207,7 @@ class MemoryR1Workflow(BankWorkflow):
                     )
             counts["facts"] += len(jobs)
             outputs = self.generate_turns(
-                engine, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable
+                manager, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable
             )
             for (slot, segment, fact, sources, shown_ids), turn in zip(jobs, outputs):
                 parsed = parse_memory_operation(turn.text, shown_ids, fact)
@@ -216,7 +238,9 @@ class MemoryR1Workflow(BankWorkflow):
                 counts["facts"],
                 self.format_penalty,
             )
-        log.info("memory manager over %d conversations: %s", len(conversations), dict(counts))
+        log.info(
+            "memory manager (%s) over %d conversations: %s", self.describe(manager), len(conversations), dict(counts)
+        )
         return list(zip(banks, turns))
 
     # ------------------------------------------------------------------ the answer agent
@@ -243,7 +267,8 @@ class MemoryR1Workflow(BankWorkflow):
                 )
             )
         gen_settings = settings if trainable or settings.temperature <= 0 else self.greedy(settings)
-        turns = self.generate_turns(engine, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
+        answerer = self.engine_for(engine, trainable)  # stage manager: the frozen model, never the policy
+        turns = self.generate_turns(answerer, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
         for trajectory, turn in zip(trajectories, turns):
             raw = turn.text
             head = raw[: raw.lower().rfind("answer:")] if "answer:" in raw.lower() else ""

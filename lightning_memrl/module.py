@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from lightning_memrl import distributed, grpo, guards
 from lightning_memrl.data import Task
 from lightning_memrl.errors import ConfigError, check_option
 from lightning_memrl.evaluation import bleu1
+from lightning_memrl.frozen import FrozenRolloutEngine
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.rewards import (
@@ -64,7 +65,8 @@ class GRPOSettings:
         clip_low: lower ratio clip ε_low.
         clip_high: upper ratio clip ε_high (clip-higher: DAPO uses 0.28).
         dual_clip: dual-clip constant c (> 1) for negative advantages; None disables it.
-        kl_coef: weight β of the KL penalty; 0 loads and runs no reference model.
+        kl_coef: weight β of the KL penalty; 0 runs no reference pass (and, unless a workflow
+            needs a frozen model for its frozen agents, loads no reference copy).
         kl_estimator: ``k1``, ``k3`` or ``low_var_kl``.
         entropy_coef: weight of an entropy bonus (subtracted from the loss).
         ppo_epochs: optimisation passes over each rollout batch (one optimizer step each).
@@ -297,7 +299,10 @@ class MemRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ models
     def configure_model(self) -> None:
-        """Load tokenizer, policy and (only when ``kl_coef > 0`` and no LoRA) the reference.
+        """Load tokenizer, policy and (without LoRA, when ``kl_coef > 0`` or the workflow
+        ``needs_frozen_model``) the reference: a frozen copy of the initial weights.
+
+        A workflow that needs a frozen model gets :meth:`frozen_engine` as its ``frozen_engine``.
 
         Idempotent: Lightning calls it for every fit/validate/test/predict. Under
         ``ModelParallelStrategy`` both models are loaded on rank 0, and every decoder layer and
@@ -342,7 +347,8 @@ class MemRLModule(L.LightningModule):
 
         self.tokenizer = load_tokenizer(self.model_name_or_path)
         self.policy = load()
-        if self.grpo.kl_coef > 0 and self.lora is None:
+        needs_frozen = self.workflow.needs_frozen_model()
+        if (self.grpo.kl_coef > 0 or needs_frozen) and self.lora is None:
             reference = load(reference=True)
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
@@ -352,6 +358,27 @@ class MemRLModule(L.LightningModule):
                     layer.p = 0.0
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
         self.engine = RolloutEngine(self.policy, self.tokenizer, share_prefixes=self.share_prefixes)
+        if needs_frozen:
+            frozen = self.workflow.frozen_engine = self.frozen_engine()
+            log.info("%s: frozen agents generate with %s", type(self.workflow).__name__, frozen.description)
+
+    def frozen_engine(self) -> FrozenRolloutEngine:
+        """A rollout engine over the model a workflow's frozen agents use: the LoRA base with the
+        adapters disabled, else the reference (a frozen copy of the initial weights)."""
+        if self.lora is not None:
+            return FrozenRolloutEngine(
+                self.policy,
+                self.tokenizer,
+                f"the base model {self.model_name_or_path} with LoRA adapters disabled",
+                context=self.policy.disable_adapter,
+                share_prefixes=self.share_prefixes,
+            )
+        return FrozenRolloutEngine(
+            self._reference,
+            self.tokenizer,
+            f"a frozen copy of the initial weights of {self.model_name_or_path}",
+            share_prefixes=self.share_prefixes,
+        )
 
     def reference_context(self) -> Any:
         """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
@@ -365,7 +392,11 @@ class MemRLModule(L.LightningModule):
         use_cache = self.policy.config.use_cache
         self.policy.config.use_cache = True
         try:
-            with distributed.unsharded_for_rollout(self.policy):  # sharded: gathered once, no collectives
+            with ExitStack() as stack:
+                stack.enter_context(distributed.unsharded_for_rollout(self.policy))  # sharded: gathered once
+                if self.workflow.frozen_engine is not None and self._reference is not None:
+                    self._reference.to(self.device)  # the frozen agents' model
+                    stack.enter_context(distributed.unsharded_for_rollout(self._reference))
                 trajectories = self.workflow.rollout(self.engine, tasks, settings)
         finally:
             self.policy.config.use_cache = use_cache
@@ -615,13 +646,17 @@ class MemRLModule(L.LightningModule):
         )
         lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
         batches = micro_batches(lengths, g.micro_batch_tokens)
-        if not batches and not distributed.is_distributed():  # no trainable turn (e.g. only frozen agents spoke)
+        if distributed.max_over_ranks(len(batches)) == 0:  # no trainable turn on any rank (only frozen agents spoke)
             opt.step()  # still one step: global_step advances, a workflow module's gradients apply
             opt.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
             return {"loss": 0.0, "grad_norm": 0.0, "reference_time": 0.0, "logprob_gap": 0.0, "micro_batches": 0.0}
+        placeholder = not batches  # only this rank has no trainable turn: zero-weight passes keep it in step
+        if placeholder:
+            rollouts, weights, batches = rollouts.with_placeholder_row(self.engine.pad_id), torch.zeros(1, 1), [[0]]
         batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
+        real_batches = 0 if placeholder else real_batches
 
         def rows(idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:
             width = int(rollouts.response_mask[idx].sum(-1).max())  # trim shared padding
@@ -756,7 +791,7 @@ class MemRLModule(L.LightningModule):
             "train/advantage_abs": float(rollouts.trajectory_advantages.abs().mean()),
             "train/response_length": float(lengths[~is_mem].mean()) if (~is_mem).any() else 0.0,
             "train/memory_length": float(lengths[is_mem].mean()) if is_mem.any() else 0.0,
-            "train/truncation_ratio": float(rollouts.truncated.float().mean()),
+            "train/truncation_ratio": float(rollouts.truncated.float().mean()) if rollouts.truncated.numel() else 0.0,
             "train/turns_per_trajectory": rollouts.response_ids.shape[0] / rollouts.num_trajectories,
             "train/loss": stats["loss"],
             "train/grad_norm": stats["grad_norm"],
@@ -772,8 +807,8 @@ class MemRLModule(L.LightningModule):
             "time/rollout_tokens_per_s": tokens / max(rollout_time, 1e-9),
             "time/update_tokens_per_s": tokens * self.grpo.ppo_epochs / max(update_time, 1e-9),
         }
-        if "kl" in stats:
-            metrics["train/kl"] = stats["kl"]
+        if self.grpo.kl_coef > 0:  # every rank logs the same keys (sync_dist), one without turns too
+            metrics["train/kl"] = stats.get("kl", 0.0)
         for name, values in rollouts.reward_components.items():
             scored = values[~torch.isnan(values)]
             metrics[f"train/reward/{name}"] = float(scored.mean()) if scored.numel() else math.nan

@@ -14,6 +14,11 @@ gets a citation reward (+1 cited, −1 not), and the reranker is trained by REIN
 workflow's :meth:`auxiliary_loss`: ``MemRLModule`` backpropagates it in the same training step, and
 the reranker is registered as a module, so its parameters are in the optimizer and the checkpoint.
 The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
+
+Prospective reflection is never trained: it runs greedily on the workflow's ``frozen_engine`` (a
+model that does not train, see :mod:`lightning_memrl.bank_workflow`), once per conversation, and
+the bank is cached; a log line names the model that built it. The generator is the policy when
+``train_generator``; otherwise nothing trains the policy and it serves as the fixed model.
 """
 
 from __future__ import annotations
@@ -215,6 +220,10 @@ class RMMWorkflow(BankWorkflow):
     def torch_modules(self) -> dict[str, nn.Module]:
         return {"reranker": self.reranker}
 
+    def needs_frozen_model(self) -> bool:
+        """The reflection is frozen while the generator (the policy) trains."""
+        return self.train_generator
+
     def max_response_tokens(self, settings: GenerationSettings) -> int:
         return max(settings.max_new_tokens, self.reflect_max_tokens, self.merge_max_tokens)
 
@@ -222,6 +231,7 @@ class RMMWorkflow(BankWorkflow):
     def build_banks(
         self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
     ) -> list[tuple[MemoryBank, list[Turn]]]:
+        engine = self.engine_for(engine, False)  # prospective reflection is never trained
         segments = [self.segments(c) for c in conversations]
         jobs = [(slot, r, seg) for slot, segs in enumerate(segments) for r, seg in enumerate(segs)]
         texts = [
@@ -271,7 +281,9 @@ class RMMWorkflow(BankWorkflow):
         self.counters.update(counts)
         if counts["invalid"]:
             log.warning("RMM reflection: %d add-or-merge outputs unusable (topic added)", counts["invalid"])
-        log.info("RMM reflection over %d conversations: %s", len(conversations), dict(counts))
+        log.info(
+            "RMM reflection by %s over %d conversations: %s", self.describe(engine), len(conversations), dict(counts)
+        )
         return list(zip(banks, turns))
 
     # ------------------------------------------------------------------ retrospective reflection
@@ -321,7 +333,8 @@ class RMMWorkflow(BankWorkflow):
             )
         trainable = self.train_generator
         gen_settings = settings if trainable or not training else self.greedy(settings)
-        turns = self.generate_turns(engine, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
+        generator = self.engine_for(engine, trainable)
+        turns = self.generate_turns(generator, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
         losses, rewards_all = [], []
         for trajectory, turn, selection in zip(trajectories, turns, selections):
             raw = turn.text

@@ -9,7 +9,7 @@ Other paradigms (a memory bank with operations, retrieval) subclass :class:`Work
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -134,6 +134,25 @@ class RolloutBatch:
     def num_trajectories(self) -> int:
         return len(self.trajectories)
 
+    def with_placeholder_row(self, pad_id: int) -> RolloutBatch:
+        """A copy holding one zero-advantage row (one pad token) instead of its turns.
+
+        Under sharding every rank must run the same forward/backward passes; a rank without a
+        trainable turn runs this row, its loss scaled by zero, to join the other ranks' passes.
+        """
+        return replace(
+            self,
+            prompt_ids=[[pad_id]],
+            response_ids=torch.full((1, 1), pad_id, dtype=torch.long),
+            response_mask=torch.ones((1, 1), dtype=torch.long),
+            rollout_logprobs=torch.zeros((1, 1)),
+            turn_to_trajectory=torch.zeros(1, dtype=torch.long),
+            memory_tokens_mask=torch.zeros(1, dtype=torch.bool),
+            truncated=torch.zeros(1, dtype=torch.bool),
+            turn_rewards=torch.zeros(1),
+            advantages=torch.zeros((1, 1)),
+        )
+
 
 def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
     """Prompt ids of one user message (through the chat template when the tokenizer has one)."""
@@ -145,7 +164,29 @@ def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = No
 
 
 class Workflow:
-    """How tasks are turned into trajectories. Subclass and implement :meth:`rollout`."""
+    """How tasks are turned into trajectories. Subclass and implement :meth:`rollout`.
+
+    A workflow whose agents are not all trained (e.g. Memory-R1's answer agent while its manager
+    trains) returns True from :meth:`needs_frozen_model`; ``MemRLModule`` then sets
+    :attr:`frozen_engine`, a :class:`~lightning_memrl.rollout.RolloutEngine` over a model that
+    never trains (the LoRA base with adapters disabled, else a frozen copy of the initial
+    weights), and the frozen agents' turns generate with it. ``memory_per_chunk`` says whether
+    memory turn ``k`` writes ``trajectory.memories[k]`` after reading ``trajectory.chunks[k]``
+    (what ``MemoryTokenCredit`` needs).
+    """
+
+    frozen_engine: RolloutEngine | None = None  # set by MemRLModule when needs_frozen_model()
+    memory_per_chunk: bool = False  # each memory turn writes trajectory.memories[k] after reading chunks[k]
+
+    def needs_frozen_model(self) -> bool:
+        """True when some agents must generate with a fixed model while the policy trains."""
+        return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (e.g. in a checkpoint's hyper-parameters) without ``frozen_engine``, which holds a model."""
+        state = self.__dict__.copy()
+        state.pop("frozen_engine", None)
+        return state
 
     def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         """Run one trajectory per entry of ``tasks`` (group members are repeated entries)."""
@@ -193,6 +234,8 @@ class MemAgentWorkflow(Workflow):
         system_prompt: optional system message of every turn.
         empty_memory: what the first turn shows as memory.
     """
+
+    memory_per_chunk = True
 
     def __init__(
         self,

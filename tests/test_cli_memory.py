@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from locomo_fixture import write_locomo
+from locomo_fixture import locomo_conversation, write_locomo
 from test_cli import REPO, _cli, _ok
 
 TINY_MODEL = [
@@ -38,10 +38,13 @@ TINY_MODEL = [
     ],
 )
 def test_config_fits_and_validates_with_the_tiny_model(tmp_path, config, workflow_args):
-    data = write_locomo(tmp_path / "data")
+    write_locomo(tmp_path / "data", "conv-a")
+    other = json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva"))  # another conversation
+    write_locomo(tmp_path / "data", "conv-b", other)  # the last conversation validates, conv-a trains
     path = str(REPO / "configs" / f"{config}.yaml")
-    args = ["--config", path, "--data.init_args.locomo_path", str(data), *TINY_MODEL, *workflow_args]
-    _ok(_cli("fit", *args, cwd=tmp_path))
+    args = ["--config", path, "--data.init_args.locomo_path", str(tmp_path / "data"), *TINY_MODEL, *workflow_args]
+    proc = _ok(_cli("fit", *args, cwd=tmp_path))
+    assert "train on 1 conversations ['conv-a'] (3 questions), validate on 1 ['conv-b'] (3 questions)" in proc.stderr
     logs = tmp_path / "logs" / config
     rows = list(csv.DictReader(open(next((logs / "csv").glob("version_*/metrics.csv")))))
     assert len([r for r in rows if r.get("train/reward")]) == 1
@@ -50,13 +53,27 @@ def test_config_fits_and_validates_with_the_tiny_model(tmp_path, config, workflo
     assert report["overall"]["tasks"] == 3  # no category 5; max_sessions 2 drops the question about session 3
     assert set(report["by_category"]) == {"2", "4"}
     assert "evidence_recall" in report["overall"] and "bleu1" in report["overall"]
+    predictions = report_path.with_name("eval_predictions_step1.jsonl").read_text().splitlines()
+    assert {json.loads(line)["id"].split(":")[0] for line in predictions} == {"conv-b"}  # held apart
     ckpt = torch.load(logs / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 1 and "counters" in ckpt["memrl_workflow"]
     if config == "rmm_locomo":  # the reranker and the frozen reflection's bank are checkpointed and restored
         assert "workflow_modules.reranker.query_adapter.weight" in ckpt["state_dict"]
-        assert "conv-test" in ckpt["memrl_workflow"]["banks"]
+        assert set(ckpt["memrl_workflow"]["banks"]) == {"conv-a"}  # saved after the step, before validation
         proc = _ok(_cli("validate", *args, "--ckpt_path", str(logs / "checkpoints" / "last.ckpt"), cwd=tmp_path))
         assert "category" in proc.stdout and "evidence_recall" in proc.stdout
+
+
+def test_config_validating_on_its_training_questions_is_refused(tmp_path):
+    data = write_locomo(tmp_path / "data")
+    path = str(REPO / "configs" / "memory_r1_locomo.yaml")
+    args = ["--config", path, "--data.init_args.locomo_path", str(data), *TINY_MODEL]
+    proc = _cli("fit", *args, "--data.init_args.locomo_val_conversations", "0", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "train and validation tasks overlap: 3 of 3 validation tasks are training tasks" in proc.stderr
+    assert "'conv-test:qa0', 'conv-test:qa1', 'conv-test:qa2'" in proc.stderr
+    proc = _cli("fit", *args, cwd=tmp_path)  # one conversation cannot be split
+    assert proc.returncode == 2 and "needs at least 2 conversations" in proc.stderr
 
 
 def test_memory_workflow_without_locomo_data_says_what_to_set(tmp_path):

@@ -44,6 +44,7 @@ def tasks(tmp_path):
 def test_manager_stage_trains_manager_turns_against_a_frozen_answerer(tasks, tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, reply)
     workflow = MemoryR1Workflow(stage="manager", turns_per_segment=0, format_penalty=0.1)
+    workflow.frozen_engine = engine  # one scripted engine records every call (tests/test_frozen_agents.py splits them)
     trajectories = workflow.rollout(engine, [tasks[0], tasks[0]], SAMPLED)  # a group of two
     first = trajectories[0]
     assert [(t.kind, t.trainable) for t in first.turns] == [(MEMORY_TURN, True)] * 3 + [(ANSWER_TURN, False)]
@@ -71,7 +72,8 @@ def test_manager_stage_trains_manager_turns_against_a_frozen_answerer(tasks, tin
 def test_bank_contents_and_sources(tasks, tiny_tokenizer):
     workflow = MemoryR1Workflow(turns_per_segment=0)
     conversation = tasks[0].meta["conversation"]
-    ((bank, turns),) = workflow.build_banks(ScriptedEngine(tiny_tokenizer, reply), [conversation], GREEDY, False)
+    workflow.frozen_engine = engine = ScriptedEngine(tiny_tokenizer, reply)
+    ((bank, turns),) = workflow.build_banks(engine, [conversation], GREEDY, False)
     assert [(e.id, e.text, e.source_ids, e.session) for e in bank.entries] == [
         ("m0", "Ana has a cat named Miso", ["D1:1"], "session_1"),
         ("m1", "Ben moved to Lisbon.", ["D2:2"], "session_2"),  # ADD without text stores the fact
@@ -82,6 +84,7 @@ def test_bank_contents_and_sources(tasks, tiny_tokenizer):
 def test_answerer_stage_caches_frozen_banks(tasks, tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, reply)
     workflow = MemoryR1Workflow(stage="answerer", turns_per_segment=0)
+    workflow.frozen_engine = engine
     first = workflow.rollout(engine, tasks[:2], SAMPLED)
     calls = len(engine.calls)
     second = workflow.rollout(engine, tasks[2:], SAMPLED)
@@ -91,6 +94,7 @@ def test_answerer_stage_caches_frozen_banks(tasks, tiny_tokenizer):
     assert engine.calls[-1][1] == 1.0  # the trained answerer samples
     state = workflow.state_dict()
     restored = MemoryR1Workflow(stage="answerer", turns_per_segment=0)
+    restored.frozen_engine = engine
     restored.load_state_dict(state)
     assert restored.state_dict() == state
     restored.rollout(engine, tasks[:1], SAMPLED)
@@ -100,6 +104,7 @@ def test_answerer_stage_caches_frozen_banks(tasks, tiny_tokenizer):
 def test_validation_builds_one_bank_per_conversation(tasks, tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, reply)
     workflow = MemoryR1Workflow(stage="manager", turns_per_segment=0)
+    workflow.frozen_engine = engine
     workflow.rollout(engine, tasks, GREEDY)
     assert sum("You manage" in p for p, _ in engine.calls) == 3  # 3 facts, once, for 4 questions
     workflow.rollout(engine, tasks, SAMPLED)  # training changes the policy: greedy banks are rebuilt after it
@@ -111,6 +116,7 @@ def test_validation_builds_one_bank_per_conversation(tasks, tiny_tokenizer):
 def test_garbage_everywhere_never_crashes(tasks, tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, lambda p: "}{ ]]" if "You manage" in p else "[D1:1] some fact here")
     workflow = MemoryR1Workflow(turns_per_segment=1, max_facts=2)
+    workflow.frozen_engine = engine
     trajectories = workflow.rollout(engine, tasks[:1], SAMPLED)
     assert workflow.counters["invalid"] == workflow.counters["facts"] > 0
     assert trajectories[0].info["bank_size"] == 0 and trajectories[0].info["shown_source_ids"] == []

@@ -109,9 +109,8 @@ def tasks(tmp_path):
 
 def test_prospective_reflection_adds_and_merges(tasks, tiny_tokenizer):
     workflow = RMMWorkflow(merge_top_k=3)
-    ((bank, _),) = workflow.build_banks(
-        ScriptedEngine(tiny_tokenizer, reply), [tasks[0].meta["conversation"]], GREEDY, False
-    )
+    workflow.frozen_engine = engine = ScriptedEngine(tiny_tokenizer, reply)
+    ((bank, _),) = workflow.build_banks(engine, [tasks[0].meta["conversation"]], GREEDY, False)
     assert [(e.id, e.text, e.source_ids) for e in bank.entries] == [
         ("m0", "Ana's cat Miso broke a vase", ["D1:1", "D2:1"]),
         ("m1", "Ben started learning the violin.", ["D1:2"]),
@@ -124,6 +123,7 @@ def test_prospective_reflection_adds_and_merges(tasks, tiny_tokenizer):
 def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, reply)
     workflow = RMMWorkflow(top_k=5, top_m=2)
+    workflow.frozen_engine = engine  # the frozen reflection, scripted like the generator
     (trajectory,) = workflow.rollout(engine, [tasks[3]], SAMPLED)  # "Who teaches Ben?"
     assert [(t.kind, t.trainable) for t in trajectory.turns] == [(ANSWER_TURN, True)]
     assert trajectory.final_text == "\\boxed{Rosa}"  # citations are not part of the answer
@@ -146,7 +146,7 @@ def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
 
 class _Scripted(L.Callback):
     def on_fit_start(self, trainer, module):
-        module.engine = ScriptedEngine(module.tokenizer, reply)
+        module.engine = module.workflow.frozen_engine = ScriptedEngine(module.tokenizer, reply)
 
 
 def test_reranker_trains_inside_memrl_module_and_is_checkpointed(tmp_path):
