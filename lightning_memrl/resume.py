@@ -59,6 +59,7 @@ class ExactResume(L.Callback):
 
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None
+        self._saved_step = -1  # global step of the last SIGTERM checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": rng_states()}
@@ -80,15 +81,21 @@ class ExactResume(L.Callback):
         folder = getattr(callback, "dirpath", None) if isinstance(callback, ModelCheckpoint) else None
         return Path(folder or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
 
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # where ModelCheckpoint saves: Lightning resumes this loop state exactly, also at an epoch's last batch
+        if trainer.received_sigterm and trainer.state.fn == "fit":
+            self._save_on_sigterm(trainer)
+
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
             return
-        path = self.sigterm_checkpoint_path(trainer)
-        if path.is_symlink():  # save_last="link": write a file, not through the link
-            path.unlink()
-        trainer.save_checkpoint(path)
+        if self._saved_step != trainer.global_step:  # the signal came after the step's end (e.g. in validation)
+            self._save_on_sigterm(trainer)
         exception.code = SIGTERM_EXIT_CODE
         if trainer.is_global_zero:
+            path = self.sigterm_checkpoint_path(trainer)
             log.warning(
                 "SIGTERM: stopped after step %d; saved %s; resume with --ckpt_path %s (exit code %d)",
                 trainer.global_step,
@@ -96,3 +103,10 @@ class ExactResume(L.Callback):
                 path,
                 SIGTERM_EXIT_CODE,
             )
+
+    def _save_on_sigterm(self, trainer: L.Trainer) -> None:
+        path = self.sigterm_checkpoint_path(trainer)
+        if path.is_symlink():  # save_last="link": write a file, not through the link
+            path.unlink()
+        trainer.save_checkpoint(path)
+        self._saved_step = trainer.global_step
