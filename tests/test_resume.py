@@ -40,7 +40,7 @@ def _args(num_tasks: int, *extra: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])  # the probe callback
     return env
 
 
@@ -130,3 +130,31 @@ def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(straight, tmp_pat
     assert saved["global_step"] == 4  # the step running when the signal came is finished and saved
     _run(tmp_path, 8, "--ckpt_path", "last")
     _assert_same_run(tmp_path, straight[8], range(5, 7))
+
+
+def test_train_loader_state_resumes_mid_epoch_and_at_an_epoch_end():
+    """A restored loader continues with the batches an uninterrupted loader gives, in this and later epochs."""
+    from lightning_memrl.data import MemRLDataModule, SyntheticTaskConfig
+
+    dm = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=6), seed=3)
+    dm.setup("fit")
+
+    def epochs(loader, first: int, count: int) -> list[list[str]]:
+        out = []
+        for epoch in range(first, first + count):
+            loader.sampler.set_epoch(epoch)  # Lightning does this at every epoch start
+            out += [[t.id for t in batch] for batch in loader]
+        return out
+
+    straight = epochs(dm.train_dataloader(), 0, 3)
+    assert straight[0:3] != straight[3:6]  # every epoch has its own order
+    for taken in (1, 3):  # mid-epoch, and after the epoch's last batch
+        loader = dm.train_dataloader()
+        it = iter(loader)
+        head = [[t.id for t in next(it)] for _ in range(taken)]
+        state = loader.state_dict()
+        resumed = dm.train_dataloader()
+        resumed.load_state_dict(state)
+        rest = [[t.id for t in batch] for batch in resumed]
+        epoch = 0 if taken < 3 else 1  # an epoch's end is saved as the next epoch's start
+        assert head + rest + epochs(resumed, epoch + 1, 2 - epoch) == straight, taken
