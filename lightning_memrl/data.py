@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_memrl.errors import ConfigError, DataError, check_option
 from lightning_memrl.locomo import LoCoMoSettings, load_locomo
@@ -270,6 +271,51 @@ def _collate(tasks: list[Task]) -> list[Task]:
     return tasks
 
 
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of ``range(size)`` drawn from ``seed + epoch``; Lightning calls ``set_epoch`` each epoch.
+
+    Its iterator saves and restores its epoch and position, so a ``StatefulDataLoader`` resumes
+    mid-epoch at the next index, and every later epoch gets the permutation an uninterrupted run
+    gets (no generator state is carried from one epoch to the next). A position at the end of an
+    epoch is saved as the start of the next: Lightning resumes such a checkpoint into the next epoch
+    with the restored iterator, without asking for a new one.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> _EpochShuffleIterator:
+        return _EpochShuffleIterator(self.size, self.seed, self.epoch)
+
+
+class _EpochShuffleIterator(Iterator[int]):
+    def __init__(self, size: int, seed: int, epoch: int, yielded: int = 0) -> None:
+        import torch
+
+        self.size, self.seed, self.epoch, self.yielded = size, seed, epoch, yielded
+        self.order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+    def __next__(self) -> int:
+        if self.yielded >= self.size:
+            raise StopIteration
+        self.yielded += 1
+        return self.order[self.yielded - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        if self.yielded >= self.size:  # the epoch is done: resume at the start of the next one
+            return {"epoch": self.epoch + 1, "yielded": 0}
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.__init__(self.size, self.seed, state["epoch"], state["yielded"])
+
+
 class MemRLDataModule(L.LightningDataModule):
     """Training and validation tasks from files or from the synthetic generator.
 
@@ -366,16 +412,17 @@ class MemRLDataModule(L.LightningDataModule):
             check_held_apart(self.train_tasks, self.val_tasks)
         log.info("tasks: %d train, %d validation", len(self.train_tasks), len(self.val_tasks))
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Shuffled batches from a resumable loader: checkpoints hold its epoch and position in it."""
         import torch
 
-        return DataLoader(
+        return StatefulDataLoader(
             self.train_tasks,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=EpochShuffleSampler(len(self.train_tasks), self.seed),
             collate_fn=_collate,
             num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed),
+            generator=torch.Generator().manual_seed(self.seed),  # workers' seeds; keeps the global RNG untouched
             drop_last=True,
         )
 

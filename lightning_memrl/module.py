@@ -919,6 +919,12 @@ class MemRLModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``)."""
+        from lightning_memrl.resume import ExactResume
+
+        return [ExactResume()]
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         guards.check_finite_checkpoint(checkpoint)  # a NaN checkpoint would replace the last good one
         checkpoint["memrl_workflow"] = self.workflow.state_dict()
