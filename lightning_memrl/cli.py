@@ -45,6 +45,5 @@ def main() -> None:
         sys.exit(2)
 
 
-
 if __name__ == "__main__":
     main()
