@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from lightning_memrl.callbacks.base import MemRLCallback
 
+from lightning_memrl.callbacks.base import MemRLCallback
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.rewards import normalize_answer
 from lightning_memrl.workflow import MEMORY_TURN

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
+
 from lightning_memrl.callbacks.base import MemRLCallback
 
 if TYPE_CHECKING:

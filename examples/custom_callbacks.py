@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from lightning_memrl.callbacks import MemRLCallback
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from helpers import AnswerLength
-from lightning_memrl.callbacks import MemRLCallback
 
 from lightning_memrl import (
     GenerationSettings,
@@ -26,6 +25,7 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskConfig,
 )
+from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.distributed import FSDP2Strategy
 
 

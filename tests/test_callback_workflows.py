@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning_memrl.callbacks import MemoryTokenCredit
 
+from lightning_memrl.callbacks import MemoryTokenCredit
 from lightning_memrl.data import Task
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.memory_r1 import MemoryR1Workflow

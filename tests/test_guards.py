@@ -9,7 +9,6 @@ import re
 import pytest
 import torch
 from helpers import quiet_trainer
-from lightning_memrl.callbacks import MemRLCallback
 
 from lightning_memrl import (
     GenerationSettings,
@@ -20,6 +19,7 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskConfig,
 )
+from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.errors import MemRLError
 from lightning_memrl.grpo import group_advantages
 from lightning_memrl.guards import NonFiniteTrainingError, RewardValueError, SkipCounter, reward_value

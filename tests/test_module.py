@@ -6,7 +6,6 @@ import lightning as L
 import pytest
 import torch
 from helpers import AnswerLength, quiet_trainer
-from lightning_memrl.callbacks import MemRLCallback
 
 from lightning_memrl import (
     GenerationSettings,
@@ -18,6 +17,7 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskConfig,
 )
+from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.module import micro_batches
 
 

@@ -90,6 +90,7 @@ def _check_probe(result: dict) -> None:
 # --------------------------------------------------------------------------- editable install
 def test_editable_import_resolves_to_repo_callbacks_folder():
     import lightning as L
+
     import lightning_memrl.callbacks as cb
     from lightning_memrl.callbacks import overlong
 

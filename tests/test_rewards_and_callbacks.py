@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from lightning_memrl.callbacks.memory_credit import MemoryTokenCredit, memory_write_credits
 from lightning_memrl.callbacks.overlong import OverlongPenalty, soft_overlong_penalty
-
 from lightning_memrl.data import Task
 from lightning_memrl.rewards import (
     BoxedFormat,

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 import yaml
 from helpers import quiet_trainer
-from lightning_memrl.callbacks import MemRLCallback, OverlongPenalty
 
 from lightning_memrl import (
     GenerationSettings,
@@ -17,6 +16,7 @@ from lightning_memrl import (
     MemRLModule,
     SyntheticTaskConfig,
 )
+from lightning_memrl.callbacks import MemRLCallback, OverlongPenalty
 from lightning_memrl.rewards import ExactMatch
 
 TINY = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").read_text())
