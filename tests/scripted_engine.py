@@ -18,7 +18,7 @@ class ScriptedEngine:
         self.reply = reply
         self.calls: list[tuple[str, float]] = []  # (prompt text, temperature)
 
-    def generate(self, prompts, settings: GenerationSettings, max_new_tokens=None):
+    def generate(self, prompts, settings: GenerationSettings, max_new_tokens=None, prefix_labels=None, task_ids=None):
         out = []
         for prompt in prompts:
             text = self.tokenizer.decode(prompt)
