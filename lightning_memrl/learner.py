@@ -1,0 +1,366 @@
+"""The GRPO update: token-budgeted micro-batches, sequence log-probs (with shared prompt prefixes
+computed once), the clipped policy loss, and ``ppo_epochs`` optimizer steps with their guards.
+
+Functions take the :class:`~lightning_memrl.module.MemRLModule` whose policy they train; they call
+its overridable methods (``sequence_logprobs``, ``policy_loss``), so a subclass's override applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_memrl import distributed, grpo, guards
+from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
+from lightning_memrl.rollout import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
+from lightning_memrl.settings import GRPOSettings
+from lightning_memrl.workflow import RolloutBatch
+
+if TYPE_CHECKING:
+    from lightning_memrl.module import MemRLModule
+
+log = logging.getLogger(__name__)
+
+
+def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Split row indices into micro-batches whose padded size stays within ``token_budget``.
+
+    Rows are sorted by length so rows of similar length share a micro-batch (less padding). A row
+    longer than the budget gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * max(lengths[j] for j in current + [i]) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def sequence_logprobs(
+    module: MemRLModule,
+    model: Any,
+    prompts: list[list[int]],
+    response_ids: Tensor,
+    response_mask: Tensor,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``response_ids`` [B, R] after their prompts, under ``logits / temperature``.
+
+    Rows are laid out ``[pad… prompt][response pad…]`` so every response ends inside the last
+    ``R`` positions. Only those positions are scored, by the LM head in chunks
+    (:func:`~lightning_memrl.logprobs.head_logprobs`): no full-vocabulary fp32 logits for the
+    prompt or the whole micro-batch. Models whose head cannot be split off (sharded, adapted)
+    get ``logits_to_keep`` instead.
+    """
+    device = module.device
+    width = max(len(p) for p in prompts)
+    batch, resp_len = response_ids.shape
+    input_ids = torch.full((batch, width + resp_len), module.engine.pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) : width] = torch.tensor(prompt, dtype=torch.long)
+        attention[row, width - len(prompt) : width] = 1
+    input_ids[:, width:] = response_ids
+    attention[:, width:] = response_mask
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    inputs = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention.to(device),
+        "position_ids": position_ids.to(device),
+        "use_cache": False,
+    }
+    temperature = module.generation.temperature if module.generation.temperature > 0 else 1.0
+    targets = response_ids.to(device)
+    parts = split_head(model)
+    groups = module._update_prefix_groups(prompts) if parts is not None else []
+    if parts is not None:
+        decoder, head = parts
+        if groups:  # one prefix pass per group, its KV cache (and gradient) shared by the members
+            hidden = shared_prefix_hidden(module, decoder, prompts, response_ids, response_mask, groups)
+        else:
+            hidden = decoder(**inputs).last_hidden_state[:, width - 1 : -1]  # [B, R, H]: t predicts token t
+        logprobs, entropy = head_logprobs(
+            hidden, head, targets, temperature, with_entropy, entropy_grad=module.grpo.entropy_coef != 0
+        )
+    else:
+        logits = model(**inputs, logits_to_keep=resp_len + 1).logits[:, :-1]  # [B, R, V]
+        logprobs = selected_logprobs(logits, targets, temperature)
+        entropy = grpo.entropy_from_logits(logits.float() / temperature) if with_entropy else None
+    if entropy is not None and module.grpo.entropy_coef == 0:
+        entropy = entropy.detach()  # a metric only
+    return logprobs, entropy
+
+
+def update_prefix_groups(module: MemRLModule, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """Groups of rows whose prompts share a prefix, or ``[]`` when sharing is off or saves nothing.
+
+    Off with gradient checkpointing, whose recomputation would write the KV cache twice.
+    """
+    if not module.share_prefixes or module.gradient_checkpointing:
+        return []
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # equal prefixes side by side
+    groups = shared_prefix_groups(
+        [prompts[i] for i in order], getattr(module.engine, "min_shared_prefix", MIN_SHARED_PREFIX)
+    )
+    groups = [(length, [order[r] for r in rows]) for length, rows in groups]
+    return groups if any(len(rows) > 1 for _, rows in groups) else []
+
+
+def shared_prefix_hidden(
+    module: MemRLModule,
+    decoder: Any,
+    prompts: list[list[int]],
+    response_ids: Tensor,  # [B, R]
+    response_mask: Tensor,  # [B, R]
+    groups: list[tuple[int, list[int]]],
+) -> Tensor:  # [B, R, H] hidden states that predict the response tokens
+    """Decoder states for ``[prefix][rest of prompt][response]`` with each prefix computed once.
+
+    Exact: a causal model's states over a shared prefix do not depend on what follows, so the
+    prefix's keys and values are computed once per group and copied (by a differentiable
+    index) to its members; the members' gradients flow back into that one computation.
+    """
+    from transformers import DynamicCache
+
+    device = module.device
+    group_of_row = [0] * len(prompts)
+    for g, (_, rows) in enumerate(groups):
+        for row in rows:
+            group_of_row[row] = g
+    prefixes = [prompts[rows[0]][:length] for length, rows in groups]
+    prefix_ids, prefix_mask = left_pad(prefixes, module.engine.pad_id, device)  # [G, P]
+    rests = [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)]
+    rest_ids, rest_mask = left_pad(rests, module.engine.pad_id, device)  # [B, S]
+    index = torch.tensor(group_of_row, device=device)
+    full_mask = torch.cat([prefix_mask[index], rest_mask, response_mask.to(device)], dim=1)  # [B, P+S+R]
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    decoder(
+        input_ids=prefix_ids,
+        attention_mask=prefix_mask,
+        position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+        cache=cache,
+        use_cache=True,
+    )
+    cache.reorder_cache(index)  # [G, ...] -> [B, ...]
+    prefix_width, rest_width = prefix_ids.shape[1], rest_ids.shape[1]
+    hidden = decoder(
+        input_ids=torch.cat([rest_ids, response_ids.to(device)], dim=1),
+        attention_mask=full_mask,
+        position_ids=positions[:, prefix_width:],
+        cache=cache,
+        use_cache=True,
+    ).last_hidden_state  # [B, S+R, H]
+    return hidden[:, rest_width - 1 : -1]
+
+
+def policy_loss(
+    g: GRPOSettings,
+    logprobs: Tensor,  # [B, R]
+    old_logprobs: Tensor,  # [B, R]
+    ref_logprobs: Tensor | None,  # [B, R]
+    advantages: Tensor,  # [B, R]
+    weights: Tensor,  # [B, R] aggregation weights over the whole batch
+    entropy: Tensor | None,  # [B, R]
+    mask: Tensor,  # [B, R]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate + β·KL − entropy bonus, aggregated by ``weights``.
+
+    Returns the micro-batch's share of the batch loss and sums for metrics.
+    """
+    token_loss, clipped, dual_clipped = grpo.clipped_surrogate(
+        logprobs, old_logprobs, advantages, g.clip_low, g.clip_high, g.dual_clip
+    )
+    stats = {"clip_frac": (clipped & mask).sum(), "dual_clip_frac": (dual_clipped & mask).sum()}
+    if ref_logprobs is not None and g.kl_coef > 0:
+        kl = grpo.kl_penalty(logprobs, ref_logprobs, g.kl_estimator)
+        token_loss = token_loss + g.kl_coef * kl
+        stats["kl"] = (kl.detach() * mask).sum()
+    if entropy is not None:
+        if g.entropy_coef:
+            token_loss = token_loss - g.entropy_coef * entropy
+        stats["entropy"] = (entropy.detach() * mask).sum()
+    loss = (token_loss * weights).sum()
+    return loss, stats
+
+
+def update(module: MemRLModule, rollouts: RolloutBatch) -> dict[str, float]:
+    """``ppo_epochs`` optimizer steps over token-budgeted micro-batches of the rollouts."""
+    g = module.grpo
+    opt = module.optimizers()
+    scheduler = module.lr_schedulers()
+    mask = rollouts.response_mask.bool()
+    weights = grpo.loss_token_weights(
+        rollouts.response_mask,
+        rollouts.turn_to_trajectory,
+        g.loss_aggregation,
+        module.workflow.max_response_tokens(module.generation),
+    )
+    lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
+    batches = micro_batches(lengths, g.micro_batch_tokens)
+    if distributed.max_over_ranks(len(batches)) == 0:  # no trainable turn on any rank (only frozen agents spoke)
+        _step(opt, scheduler)  # still one step: global_step advances, a workflow module's gradients apply
+        return {"loss": 0.0, "grad_norm": 0.0, "reference_time": 0.0, "logprob_gap": 0.0, "micro_batches": 0.0}
+    placeholder = not batches  # only this rank has no trainable turn: zero-weight passes keep it in step
+    if placeholder:
+        rollouts, weights, batches = rollouts.with_placeholder_row(module.engine.pad_id), torch.zeros(1, 1), [[0]]
+    batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
+    real_batches = 0 if placeholder else real_batches
+    old_lp, ref_lp, ref_time = old_and_reference_logprobs(module, rollouts, batches)
+    sums: dict[str, float] = {}
+    loss_total, grad_norm = 0.0, 0.0
+    logprob_gap, skipped = 0.0, 0
+    for epoch in range(g.ppo_epochs):
+        epoch_loss, gap = epoch_backward(module, rollouts, weights, batches, real_batches, old_lp, ref_lp, sums, epoch)
+        logprob_gap += gap
+        loss_total += epoch_loss
+        grad_norm, skip = module._clip_gradients_or_skip(opt, epoch_loss)
+        skipped += skip
+        _step(opt, scheduler)  # after a skip no parameter has a gradient: AdamW changes no weight and no moment
+    tokens = float(mask.sum()) * g.ppo_epochs
+    out = {key: value / tokens for key, value in sums.items()}
+    out.update(
+        loss=loss_total / g.ppo_epochs,
+        grad_norm=grad_norm,
+        reference_time=ref_time,
+        logprob_gap=logprob_gap / max(float(mask.sum()), 1.0),
+        micro_batches=float(len(batches)),
+        skipped_steps=float(skipped),
+    )
+    return out
+
+
+def _step(opt: Any, scheduler: Any) -> None:
+    """The optimizer step, its gradients cleared, and the LR scheduler's step."""
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+
+
+def _rows(rollouts: RolloutBatch, idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:
+    """Prompts, response ids and response mask of the rows ``idx``, trimmed to their longest response."""
+    width = int(rollouts.response_mask[idx].sum(-1).max())  # trim shared padding
+    return (
+        [rollouts.prompt_ids[i] for i in idx],
+        rollouts.response_ids[idx, :width],
+        rollouts.response_mask[idx, :width],
+    )
+
+
+def old_and_reference_logprobs(
+    module: MemRLModule, rollouts: RolloutBatch, batches: list[list[int]]
+) -> tuple[dict[int, Tensor], dict[int, Tensor], float]:
+    """Old (``ppo_epochs > 1``) and reference (``kl_coef > 0``) log-probs per micro-batch, without gradients.
+
+    Returns:
+        The old and the reference log-probs by micro-batch index, and the seconds they took.
+    """
+    g = module.grpo
+    need_old = g.ppo_epochs > 1
+    need_ref = g.kl_coef > 0
+    old_lp: dict[int, Tensor] = {}
+    ref_lp: dict[int, Tensor] = {}
+    ref_time = 0.0
+    if need_old or need_ref:
+        start = time.perf_counter()
+        was_training = module.policy.training
+        module.policy.eval()  # old / reference log-probs without dropout noise
+        with torch.no_grad():
+            for b, idx in enumerate(batches):
+                prompts, ids, m = _rows(rollouts, idx)
+                if need_old:
+                    old_lp[b] = module.sequence_logprobs(module.policy, prompts, ids, m)[0]
+                if need_ref:
+                    if module._reference is not None:
+                        module._reference.to(module.device)
+                        ref_lp[b] = module.sequence_logprobs(module._reference, prompts, ids, m)[0]
+                    else:
+                        with module.reference_context():
+                            ref_lp[b] = module.sequence_logprobs(module.policy, prompts, ids, m)[0]
+        module.policy.train(was_training)
+        ref_time = time.perf_counter() - start
+    return old_lp, ref_lp, ref_time
+
+
+def epoch_backward(
+    module: MemRLModule,
+    rollouts: RolloutBatch,
+    weights: Tensor,
+    batches: list[list[int]],
+    real_batches: int,
+    old_lp: dict[int, Tensor],
+    ref_lp: dict[int, Tensor],
+    sums: dict[str, float],
+    epoch: int,
+) -> tuple[float, float]:
+    """One epoch's forward and backward passes over the micro-batches; adds their metric sums to ``sums``.
+
+    Micro-batches from ``real_batches`` on are repeats that only keep ranks in step: their loss is
+    multiplied by 0. With one epoch the old log-probs are the detached current ones.
+
+    Returns:
+        The epoch's loss and (epoch 0 only, else 0) the summed absolute gap between the trainer's
+        and the sampler's log-probs.
+    """
+    epoch_loss, logprob_gap = 0.0, 0.0
+    for b, idx in enumerate(batches):
+        prompts, ids, m = _rows(rollouts, idx)
+        width = ids.shape[1]
+        logprobs, entropy = module.sequence_logprobs(module.policy, prompts, ids, m, with_entropy=True)
+        m_dev = m.to(module.device).bool()
+        old = old_lp[b] if module.grpo.ppo_epochs > 1 else logprobs.detach()
+        if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
+            rollout_lp = rollouts.rollout_logprobs[idx, :width].to(module.device)
+            logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
+        loss, stats = module.policy_loss(
+            logprobs,
+            old,
+            ref_lp.get(b),
+            rollouts.advantages[idx, :width].to(module.device),
+            weights[idx, :width].to(module.device),
+            entropy,
+            m_dev,
+        )
+        if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
+            loss, stats = loss * 0.0, {}
+        module.manual_backward(loss)
+        epoch_loss += float(loss.detach())
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return epoch_loss, logprob_gap
+
+
+def clip_gradients_or_skip(module: MemRLModule, opt: Any, loss: float) -> tuple[float, bool]:
+    """Clip the policy's gradients to ``max_grad_norm``; drop them all when the step must be skipped.
+
+    A step is skipped when its loss, its gradient norm or a workflow module's gradient is NaN
+    or infinite on any rank. Every gradient is then set to None, so the ``opt.step()`` that
+    follows changes no weight and no AdamW moment, while ``global_step`` and the LR scheduler
+    still advance (as with a mixed-precision GradScaler's skipped step): ``max_steps`` counts
+    attempted steps. ``max_consecutive_skipped_steps`` skipped in a row stop the run.
+
+    Returns:
+        The gradient norm before clipping (also when clipping is off) and whether the step is skipped.
+    """
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+    max_norm = module.grpo.max_grad_norm if module.grpo.max_grad_norm > 0 else math.inf  # inf: measure only
+    grad_norm = distributed.clip_grad_norm(params, max_norm)
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    finite = finite and guards.grads_are_finite(module.workflow_modules.parameters())
+    skip = bool(distributed.max_over_ranks(int(not finite)))  # every rank skips together
+    if skip:
+        opt.zero_grad(set_to_none=True)
+        log.warning("step %d: loss %.4g, gradient norm %.4g: step skipped", module.global_step, loss, grad_norm)
+    module._skips.record(skip, f"loss={loss:.4g}, grad_norm={grad_norm:.4g} at step {module.global_step}")
+    return grad_norm, skip

@@ -1,0 +1,145 @@
+"""What a run reports: the evaluation report (overall, by chunks, by category), its files, and step metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_memrl.workflow import RolloutBatch
+
+
+def evaluation_report(records: list[tuple], **info: Any) -> dict[str, Any]:
+    """Exact match, F1 and extra metrics overall, by number of chunks and (when tasks have one) by category.
+
+    A record is ``(chunks, em, f1)`` or ``(chunks, em, f1, extras)``; ``extras`` maps metric names to
+    numbers (None: not measured for that task, left out of its mean) and may hold ``category``.
+    """
+
+    def extras(r: tuple) -> dict[str, Any]:
+        return r[3] if len(r) > 3 else {}
+
+    names = list(dict.fromkeys(k for r in records for k in extras(r) if k != "category"))
+
+    def summary(rows: list[tuple]) -> dict[str, float]:
+        out = {
+            "tasks": len(rows),
+            "exact_match": sum(r[1] for r in rows) / len(rows),
+            "f1": sum(r[2] for r in rows) / len(rows),
+        }
+        for name in names:
+            values = [extras(r)[name] for r in rows if extras(r).get(name) is not None]
+            if values:
+                out[name] = sum(values) / len(values)
+        return out
+
+    by_chunks = {str(n): summary([r for r in records if r[0] == n]) for n in sorted({r[0] for r in records})}
+    report = {**info, "overall": summary(records), "by_num_chunks": by_chunks}
+    categories = sorted({extras(r).get("category") for r in records} - {None}, key=str)
+    if categories:
+        report["by_category"] = {
+            str(c): summary([r for r in records if extras(r).get("category") == c]) for c in categories
+        }
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a text table."""
+    extra = [k for k in report["overall"] if k not in ("tasks", "exact_match", "f1")]
+
+    def table(title: str, rows: dict[str, dict[str, float]]) -> list[str]:
+        out = [
+            f"{title:>8} {'tasks':>6} {'exact_match':>12} {'f1':>7}" + "".join(f" {k:>{max(len(k), 7)}}" for k in extra)
+        ]
+        for key, row in [*rows.items(), ("all", report["overall"])]:
+            line = f"{key:>8} {row['tasks']:>6} {100 * row['exact_match']:>11.1f}% {100 * row['f1']:>6.1f}%"
+            for k in extra:
+                width = max(len(k), 7) - 1
+                line += f" {100 * row[k]:>{width}.1f}%" if k in row else " " * (width + 2)
+            out.append(line)
+        return out
+
+    lines = [f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')})"]
+    lines += table("chunks", report["by_num_chunks"])
+    if "by_category" in report:
+        lines += table("category", report["by_category"])
+    return "\n".join(lines)
+
+
+def write_evaluation(report: dict[str, Any], predictions: list[dict[str, Any]], log_dir: str) -> None:
+    """Print the report and save it as ``eval_report_step<N>.json`` next to ``eval_predictions_step<N>.jsonl``."""
+    step = report["step"]
+    print(format_report(report))
+    path = Path(log_dir) / f"eval_report_step{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    lines = "".join(json.dumps(row) + "\n" for row in predictions)
+    (path.parent / f"eval_predictions_step{step}.jsonl").write_text(lines)
+
+
+def step_metrics(
+    rollouts: RolloutBatch,
+    stats: dict[str, float],
+    lr: float,
+    timing: tuple[float, float, float],
+    ppo_epochs: int,
+    with_kl: bool,
+) -> dict[str, float]:
+    """A training step's ``train/*`` and ``time/*`` metrics.
+
+    Args:
+        rollouts: the step's scored rollouts.
+        stats: the update's statistics (and the reward guard's counts).
+        lr: the learning rate of the policy's parameter group.
+        timing: seconds of the rollout, the update and the whole step.
+        ppo_epochs: optimisation passes over the batch (for the update's token throughput).
+        with_kl: add ``train/kl`` (every rank logs the same keys, one without turns too).
+    """
+    rollout_time, update_time, step_time = timing
+    rewards = rollouts.rewards
+    valid = rewards[~torch.isnan(rewards)]
+    grouped = rewards.view(-1, rollouts.group_size)
+    zero_std = torch.tensor(
+        [
+            float(torch.nan_to_num(g[~torch.isnan(g)].std(), 0.0) == 0) if (~torch.isnan(g)).sum() > 1 else 1.0
+            for g in grouped
+        ]
+    )
+    lengths = rollouts.response_mask.sum(-1).float()
+    is_mem = rollouts.memory_tokens_mask
+    tokens = float(lengths.sum())
+    metrics = {
+        "train/reward": float(valid.mean()) if valid.numel() else math.nan,
+        "train/reward_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        "train/frac_reward_zero_std": float(zero_std.mean()),
+        "train/nonfinite_rewards": stats.get("nonfinite_rewards", 0.0),
+        "train/frac_reward_nan": stats.get("frac_reward_nan", 0.0),
+        "train/skipped_steps": stats.get("skipped_steps", 0.0),
+        "train/advantage_abs": float(rollouts.trajectory_advantages.abs().mean()),
+        "train/response_length": float(lengths[~is_mem].mean()) if (~is_mem).any() else 0.0,
+        "train/memory_length": float(lengths[is_mem].mean()) if is_mem.any() else 0.0,
+        "train/truncation_ratio": float(rollouts.truncated.float().mean()) if rollouts.truncated.numel() else 0.0,
+        "train/turns_per_trajectory": rollouts.response_ids.shape[0] / rollouts.num_trajectories,
+        "train/loss": stats["loss"],
+        "train/grad_norm": stats["grad_norm"],
+        "train/clip_frac": stats.get("clip_frac", 0.0),
+        "train/dual_clip_frac": stats.get("dual_clip_frac", 0.0),
+        "train/entropy": stats.get("entropy", 0.0),
+        "train/logprob_gap": stats["logprob_gap"],
+        "train/lr": lr,
+        "time/rollout_s": rollout_time,
+        "time/reference_s": stats["reference_time"],
+        "time/update_s": update_time,
+        "time/step_s": step_time,
+        "time/rollout_tokens_per_s": tokens / max(rollout_time, 1e-9),
+        "time/update_tokens_per_s": tokens * ppo_epochs / max(update_time, 1e-9),
+    }
+    if with_kl:  # every rank logs the same keys (sync_dist), one without turns too
+        metrics["train/kl"] = stats.get("kl", 0.0)
+    for name, values in rollouts.reward_components.items():
+        scored = values[~torch.isnan(values)]
+        metrics[f"train/reward/{name}"] = float(scored.mean()) if scored.numel() else math.nan
+    return metrics

@@ -1,0 +1,98 @@
+"""GRPO and optimizer options of :class:`~lightning_memrl.module.MemRLModule`, checked when parsed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_memrl import grpo
+from lightning_memrl.errors import ConfigError, check_option
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO options, named as TRL and verl users know them.
+
+    Args:
+        group_size: rollouts per task (``num_generations``).
+        scale_rewards: ``group`` (GRPO), ``batch`` or ``none`` (Dr. GRPO).
+        advantage_eps: added to the std when scaling rewards.
+        loss_aggregation: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO),
+            ``seq_mean_token_sum_norm`` (Dr. GRPO) or ``rollout_mean`` (every trajectory alike).
+        clip_low: lower ratio clip ε_low.
+        clip_high: upper ratio clip ε_high (clip-higher: DAPO uses 0.28).
+        dual_clip: dual-clip constant c (> 1) for negative advantages; None disables it.
+        kl_coef: weight β of the KL penalty; 0 runs no reference pass (and, unless a workflow
+            needs a frozen model for its frozen agents, loads no reference copy).
+        kl_estimator: ``k1``, ``k3`` or ``low_var_kl``.
+        entropy_coef: weight of an entropy bonus (subtracted from the loss).
+        ppo_epochs: optimisation passes over each rollout batch (one optimizer step each).
+        micro_batch_tokens: padded tokens per forward/backward micro-batch.
+        max_grad_norm: gradient clipping norm (0 disables).
+        max_consecutive_skipped_steps: an optimizer step whose loss or gradient norm is NaN or
+            infinite is skipped (gradients dropped, ``train/skipped_steps``); this many skipped in
+            a row stop the run.
+        disable_dropout: set every dropout of the policy (LoRA's ``dropout`` included) to 0 when
+            the model is configured, as TRL does: with dropout the policy's log-probs are noisy,
+            so ratios to the old policy differ from 1 before any update and clip spuriously. The
+            old and reference log-probs are computed in eval mode (no dropout) either way.
+    """
+
+    group_size: int = 4
+    scale_rewards: grpo.ScaleRewards = "group"
+    advantage_eps: float = 1e-4
+    loss_aggregation: grpo.LossAggregation = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: grpo.KLEstimator = "low_var_kl"
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192
+    max_grad_norm: float = 1.0
+    max_consecutive_skipped_steps: int = 5
+    disable_dropout: bool = True
+
+    def __post_init__(self) -> None:
+        p = "model.init_args.grpo."
+        check_option(p + "group_size", self.group_size, 2, why="GRPO's advantage is relative to the group")
+        check_option(p + "advantage_eps", self.advantage_eps, 0.0)
+        check_option(p + "clip_low", self.clip_low, 0.0, 1.0, high_open=True, why="the ratio clips at 1 - clip_low")
+        check_option(p + "clip_high", self.clip_high, 0.0)
+        if self.dual_clip is not None:
+            check_option(p + "dual_clip", self.dual_clip, 1.0, low_open=True, why="null disables it; verl uses 3.0")
+        check_option(p + "kl_coef", self.kl_coef, 0.0, why="0 disables the KL penalty")
+        check_option(p + "entropy_coef", self.entropy_coef)
+        check_option(p + "ppo_epochs", self.ppo_epochs, 1)
+        check_option(p + "micro_batch_tokens", self.micro_batch_tokens, 1)
+        check_option(p + "max_grad_norm", self.max_grad_norm, 0.0, why="0 disables clipping")
+        check_option(p + "max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1)
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW with linear warm-up then constant or cosine decay.
+
+    Args:
+        lr: peak learning rate (LoRA wants ~10x a full fine-tune's).
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: optimizer steps of linear warm-up.
+        schedule: ``constant`` or ``cosine`` (decays to 10% over the trainer's ``max_steps``).
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: str = "constant"
+
+    def __post_init__(self) -> None:
+        p = "model.init_args.optimizer."
+        check_option(p + "lr", self.lr, 0.0, low_open=True)
+        check_option(p + "weight_decay", self.weight_decay, 0.0)
+        for i, beta in enumerate(self.betas):
+            check_option(f"{p}betas[{i}]", beta, 0.0, 1.0, high_open=True)
+        check_option(p + "warmup_steps", self.warmup_steps, 0)
+        if self.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"{p}schedule must be 'constant' or 'cosine' (got {self.schedule!r})")
