@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_memrl import distributed, grpo, guards
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
+from lightning_memrl.rewards import RewardFunction
 from lightning_memrl.rollout import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
 from lightning_memrl.settings import GRPOSettings
 from lightning_memrl.workflow import RolloutBatch
@@ -364,3 +365,32 @@ def clip_gradients_or_skip(module: MemRLModule, opt: Any, loss: float) -> tuple[
         log.warning("step %d: loss %.4g, gradient norm %.4g: step skipped", module.global_step, loss, grad_norm)
     module._skips.record(skip, f"loss={loss:.4g}, grad_norm={grad_norm:.4g} at step {module.global_step}")
     return grad_norm, skip
+
+
+def score_trajectories(
+    reward_functions: list[RewardFunction], rollouts: RolloutBatch
+) -> tuple[Tensor, dict[str, Tensor], int]:
+    """The weighted reward sum [N], each function's rewards (name → [N]) and the number of non-finite rewards.
+
+    A trajectory that every reward function leaves unscored (None) gets NaN; so does one for which
+    a function returns NaN or ±inf (counted). A value that is not a number stops the run with an
+    error naming the function.
+    """
+    components = {r.name: torch.full((rollouts.num_trajectories,), math.nan) for r in reward_functions}
+    total = torch.full((rollouts.num_trajectories,), math.nan)
+    nonfinite = torch.zeros(rollouts.num_trajectories, dtype=torch.bool)
+    for i, trajectory in enumerate(rollouts.trajectories):
+        for fn in reward_functions:
+            owner = f"reward function {fn.name!r} ({type(fn).__name__})"
+            value = guards.reward_value(fn(trajectory.final_text, trajectory.task.answers), owner)
+            if value is None:
+                continue
+            weighted = fn.weight * value
+            if not (math.isfinite(value) and math.isfinite(weighted)):
+                nonfinite[i] = True
+                continue
+            components[fn.name][i] = value
+            total[i] = (0.0 if math.isnan(total[i]) else total[i]) + weighted
+    nonfinite |= torch.isinf(total)  # a float32 sum of finite values can overflow
+    total = total.masked_fill(nonfinite, math.nan)
+    return total, components, int(nonfinite.sum())

@@ -12,7 +12,6 @@ of :meth:`policy_loss`, gradient clipping, optimizer and LR-scheduler steps → 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import ExitStack, nullcontext
 from typing import Any
@@ -28,7 +27,7 @@ from lightning_memrl.evaluation import bleu1
 from lightning_memrl.frozen import FrozenRolloutEngine
 from lightning_memrl.learner import micro_batches
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
-from lightning_memrl.report import evaluation_report, format_report, step_metrics, write_evaluation
+from lightning_memrl.report import evaluation_report, format_report, prediction_row, step_metrics, write_evaluation
 from lightning_memrl.rewards import (
     ExactMatch,
     RewardFunction,
@@ -38,7 +37,7 @@ from lightning_memrl.rewards import (
     token_f1,
 )
 from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.settings import GRPOSettings, OptimizerSettings
+from lightning_memrl.settings import GRPOSettings, OptimizerSettings, build_optimizer
 from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
 
 __all__ = ["GRPOSettings", "MemRLModule", "OptimizerSettings", "evaluation_report", "format_report", "micro_batches"]
@@ -238,24 +237,7 @@ class MemRLModule(L.LightningModule):
         which a function returns NaN or ±inf (counted in ``self.nonfinite_rewards``). A value that
         is not a number stops the run with an error naming the function.
         """
-        components = {r.name: torch.full((rollouts.num_trajectories,), math.nan) for r in self.reward_functions}
-        total = torch.full((rollouts.num_trajectories,), math.nan)
-        nonfinite = torch.zeros(rollouts.num_trajectories, dtype=torch.bool)
-        for i, trajectory in enumerate(rollouts.trajectories):
-            for fn in self.reward_functions:
-                owner = f"reward function {fn.name!r} ({type(fn).__name__})"
-                value = guards.reward_value(fn(trajectory.final_text, trajectory.task.answers), owner)
-                if value is None:
-                    continue
-                weighted = fn.weight * value
-                if not (math.isfinite(value) and math.isfinite(weighted)):
-                    nonfinite[i] = True
-                    continue
-                components[fn.name][i] = value
-                total[i] = (0.0 if math.isnan(total[i]) else total[i]) + weighted
-        nonfinite |= torch.isinf(total)  # a float32 sum of finite values can overflow
-        total = total.masked_fill(nonfinite, math.nan)
-        self.nonfinite_rewards = int(nonfinite.sum())
+        total, components, self.nonfinite_rewards = learner.score_trajectories(self.reward_functions, rollouts)
         rollouts.rewards, rollouts.reward_components = total, components
 
     def compute_advantages(self, rollouts: RolloutBatch) -> Tensor:
@@ -383,18 +365,7 @@ class MemRLModule(L.LightningModule):
             extras = {"category": trajectory.task.meta.get("category"), "bleu1": bleu1(answer, trajectory.task.answers)}
             extras.update(self.workflow.evaluation_metrics(trajectory))
             self._val_records.append((len(trajectory.chunks), em, f1, extras))
-            self._val_predictions.append(
-                {
-                    "id": trajectory.task.id,
-                    "question": trajectory.task.question,
-                    "answers": trajectory.task.answers,
-                    "chunks": len(trajectory.chunks),
-                    "memories": trajectory.memories,
-                    "completion": trajectory.final_text,
-                    "answer": answer,
-                    "exact_match": em,
-                }
-            )
+            self._val_predictions.append(prediction_row(trajectory, answer, em))
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
@@ -438,29 +409,8 @@ class MemRLModule(L.LightningModule):
         extra = [p for p in self.workflow_modules.parameters() if p.requires_grad]
         if extra:  # the workflow's own modules, at their own learning rate
             groups.append({"params": extra, "lr": self.workflow.module_lr or o.lr})
-        every = [p for group in groups for p in group["params"]]
-        # The fused kernel is one pass over each tensor; the default on CPU is a Python loop over
-        # parameters that cost 0.9 s of a 9.8 s full fine-tuning step of SmolLM2 on 2 cores.
-        fused = bool(every) and all(
-            type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in every
-        )  # sharded (DTensor) parameters keep the default implementation
-        optimizer = torch.optim.AdamW(
-            groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=fused or None
-        )
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
-        if o.schedule not in ("constant", "cosine"):
-            raise ValueError(f"model.optimizer.schedule must be 'constant' or 'cosine', got {o.schedule!r}")
-
-        def factor(step: int) -> float:
-            if o.warmup_steps and step < o.warmup_steps:
-                return (step + 1) / o.warmup_steps
-            if o.schedule == "cosine" and total:
-                progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-            return 1.0
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return build_optimizer(o, groups, total)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``)."""

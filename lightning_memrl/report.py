@@ -143,3 +143,17 @@ def step_metrics(
         scored = values[~torch.isnan(values)]
         metrics[f"train/reward/{name}"] = float(scored.mean()) if scored.numel() else math.nan
     return metrics
+
+
+def prediction_row(trajectory: Any, answer: str, em: float) -> dict[str, Any]:
+    """A line of ``eval_predictions_step<N>.jsonl``: the task, the memory after each turn, the completion, its score."""
+    return {
+        "id": trajectory.task.id,
+        "question": trajectory.task.question,
+        "answers": trajectory.task.answers,
+        "chunks": len(trajectory.chunks),
+        "memories": trajectory.memories,
+        "completion": trajectory.final_text,
+        "answer": answer,
+        "exact_match": em,
+    }

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from lightning_memrl import grpo
 from lightning_memrl.errors import ConfigError, check_option
@@ -96,3 +100,33 @@ class OptimizerSettings:
         check_option(p + "warmup_steps", self.warmup_steps, 0)
         if self.schedule not in ("constant", "cosine"):
             raise ConfigError(f"{p}schedule must be 'constant' or 'cosine' (got {self.schedule!r})")
+
+
+def build_optimizer(o: OptimizerSettings, groups: list[dict[str, Any]], total: int | None) -> dict[str, Any]:
+    """AdamW over parameter ``groups`` and its warm-up/decay schedule over ``total`` steps (None: unknown).
+
+    Returns:
+        Lightning's ``configure_optimizers`` answer: the optimizer and a per-step LR scheduler.
+    """
+    every = [p for group in groups for p in group["params"]]
+    # The fused kernel is one pass over each tensor; the default on CPU is a Python loop over
+    # parameters that cost 0.9 s of a 9.8 s full fine-tuning step of SmolLM2 on 2 cores.
+    fused = bool(every) and all(
+        type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in every
+    )  # sharded (DTensor) parameters keep the default implementation
+    optimizer = torch.optim.AdamW(
+        groups, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=fused or None
+    )
+    if o.schedule not in ("constant", "cosine"):
+        raise ValueError(f"model.optimizer.schedule must be 'constant' or 'cosine', got {o.schedule!r}")
+
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "cosine" and total:
+            progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
