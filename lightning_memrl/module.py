@@ -143,40 +143,11 @@ class MemRLModule(L.LightningModule):
         if mesh is not None:
             distributed.allow_classes_of(dict(self.hparams))  # sharded checkpoints load with weights_only=True
 
-        def load(reference: bool = False) -> Any:
-            def build(empty_weights: bool = False) -> Any:
-                if reference:
-                    return load_policy(
-                        self.model_name_or_path,
-                        self.tokenizer,
-                        self.dtype_name,
-                        self.attn_implementation,
-                        seed=self.seed,
-                        empty_weights=empty_weights,
-                    )
-                return load_policy(
-                    self.model_name_or_path,
-                    self.tokenizer,
-                    self.dtype_name,
-                    self.attn_implementation,
-                    self.lora,
-                    self.gradient_checkpointing,
-                    self.seed,
-                    self.quantization,
-                    empty_weights=empty_weights,
-                )
-
-            if mesh is None:
-                return build()
-            strategy = self.trainer.strategy if self._trainer is not None else None
-            shard_kwargs = strategy.fsdp_kwargs() if isinstance(strategy, distributed.FSDP2Strategy) else {}
-            return distributed.load_sharded(build, mesh, **shard_kwargs)
-
         self.tokenizer = load_tokenizer(self.model_name_or_path)
-        self.policy = load()
+        self.policy = self._load_model(mesh)
         needs_frozen = self.workflow.needs_frozen_model()
         if (self.grpo.kl_coef > 0 or needs_frozen) and self.lora is None:
-            reference = load(reference=True)
+            reference = self._load_model(mesh, reference=True)
             reference.eval().requires_grad_(False)
             self.__dict__["_reference"] = reference  # bypass nn.Module registration: no checkpoint copy
         if self.grpo.disable_dropout:
@@ -188,6 +159,37 @@ class MemRLModule(L.LightningModule):
         if needs_frozen:
             frozen = self.workflow.frozen_engine = self.frozen_engine()
             log.info("%s: frozen agents generate with %s", type(self.workflow).__name__, frozen.description)
+
+    def _load_model(self, mesh: Any, reference: bool = False) -> Any:
+        """The policy (or, with ``reference``, a plain copy of the base weights), sharded over ``mesh`` when given."""
+
+        def build(empty_weights: bool = False) -> Any:
+            if reference:
+                return load_policy(
+                    self.model_name_or_path,
+                    self.tokenizer,
+                    self.dtype_name,
+                    self.attn_implementation,
+                    seed=self.seed,
+                    empty_weights=empty_weights,
+                )
+            return load_policy(
+                self.model_name_or_path,
+                self.tokenizer,
+                self.dtype_name,
+                self.attn_implementation,
+                self.lora,
+                self.gradient_checkpointing,
+                self.seed,
+                self.quantization,
+                empty_weights=empty_weights,
+            )
+
+        if mesh is None:
+            return build()
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        shard_kwargs = strategy.fsdp_kwargs() if isinstance(strategy, distributed.FSDP2Strategy) else {}
+        return distributed.load_sharded(build, mesh, **shard_kwargs)
 
     def frozen_engine(self) -> FrozenRolloutEngine:
         """A rollout engine over the model a workflow's frozen agents use: the LoRA base with the

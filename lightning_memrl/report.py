@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_memrl.workflow import RolloutBatch
 
@@ -80,6 +81,17 @@ def write_evaluation(report: dict[str, Any], predictions: list[dict[str, Any]], 
     (path.parent / f"eval_predictions_step{step}.jsonl").write_text(lines)
 
 
+def _zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """1.0 for each group whose scored rewards are all equal (or fewer than two), else 0.0."""
+    grouped = rewards.view(-1, group_size)
+    return torch.tensor(
+        [
+            float(torch.nan_to_num(g[~torch.isnan(g)].std(), 0.0) == 0) if (~torch.isnan(g)).sum() > 1 else 1.0
+            for g in grouped
+        ]
+    )
+
+
 def step_metrics(
     rollouts: RolloutBatch,
     stats: dict[str, float],
@@ -101,13 +113,7 @@ def step_metrics(
     rollout_time, update_time, step_time = timing
     rewards = rollouts.rewards
     valid = rewards[~torch.isnan(rewards)]
-    grouped = rewards.view(-1, rollouts.group_size)
-    zero_std = torch.tensor(
-        [
-            float(torch.nan_to_num(g[~torch.isnan(g)].std(), 0.0) == 0) if (~torch.isnan(g)).sum() > 1 else 1.0
-            for g in grouped
-        ]
-    )
+    zero_std = _zero_std_groups(rewards, rollouts.group_size)
     lengths = rollouts.response_mask.sum(-1).float()
     is_mem = rollouts.memory_tokens_mask
     tokens = float(lengths.sum())
