@@ -133,7 +133,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
         Workflow,
     )
     from lightning_memrl.rewards import TokenF1
-    from lightning_memrl.workflow import ANSWER_TURN
+    from lightning_memrl.types import ANSWER_TURN
 
     class SingleTurnWorkflow(Workflow):
         """One turn per trajectory: the question through the chat template, one response (TRL's GRPO)."""

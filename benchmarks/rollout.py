@@ -117,7 +117,7 @@ def naive_generate(model: Any, prompt: list[int], settings: Any, max_new_tokens:
     """One conversation by ``model.generate`` on a batch of 1, cut at EOS, with its token log-probs."""
     import torch
 
-    from lightning_memrl.rollout import Generation
+    from lightning_memrl.types import Generation
 
     ids = torch.tensor([prompt], dtype=torch.long)
     out = model.generate(
@@ -146,7 +146,7 @@ def naive_generate(model: Any, prompt: list[int], settings: Any, max_new_tokens:
 def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], settings: Any) -> list[Any]:
     """Each trajectory alone, each conversation alone: MemAgent's turns with batch-1 generation."""
     from lightning_memrl import TextMemoryStore, Trajectory, Turn
-    from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN
+    from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN
 
     eos = model.generation_config.eos_token_id
     eos = sorted(set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id})

@@ -17,12 +17,11 @@ under ``state_key``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 
-if TYPE_CHECKING:
-    from lightning_memrl.workflow import RolloutBatch
+from lightning_memrl.types import RolloutBatch
 
 
 class MemRLCallback(L.Callback):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -10,10 +10,7 @@ import torch
 from lightning_memrl.callbacks.base import MemRLCallback
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.rewards import normalize_answer
-from lightning_memrl.workflow import MEMORY_TURN
-
-if TYPE_CHECKING:
-    from lightning_memrl.workflow import RolloutBatch, Trajectory
+from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory
 
 
 def memory_write_credits(trajectory: Trajectory) -> list[float]:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
 
 from lightning_memrl.callbacks.base import MemRLCallback
-
-if TYPE_CHECKING:
-    from lightning_memrl.workflow import RolloutBatch
+from lightning_memrl.types import RolloutBatch
 
 
 def soft_overlong_penalty(lengths: torch.Tensor, max_length: int, cache_length: int) -> torch.Tensor:

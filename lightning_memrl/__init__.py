@@ -1,16 +1,21 @@
 """lightning_memrl: train memory-augmented LLM agents with reinforcement learning on Lightning."""
 
-from lightning_memrl.data import MemRLDataModule, SyntheticTaskConfig, Task, generate_synthetic_tasks, load_tasks
+from lightning_memrl.data.datamodule import MemRLDataModule
+from lightning_memrl.data.files import load_tasks
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.data.synthetic import SyntheticTaskConfig, generate_synthetic_tasks
 from lightning_memrl.errors import ConfigError, DataError, MemRLError
-from lightning_memrl.locomo import LoCoMoSettings, load_locomo
-from lightning_memrl.memory import TextMemoryStore
-from lightning_memrl.memory_bank import MemoryBank, MemoryEntry, MemoryOp, SQLiteMemoryBank
-from lightning_memrl.memory_r1 import MemoryR1Workflow
+from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp, SQLiteMemoryBank
+from lightning_memrl.memory.text import TextMemoryStore
 from lightning_memrl.models import LoraSettings
 from lightning_memrl.module import GRPOSettings, MemRLModule, OptimizerSettings
-from lightning_memrl.rmm import RMMWorkflow
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Trajectory, Turn, Workflow
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import RolloutBatch, Task, Trajectory, Turn
+from lightning_memrl.workflows.base import Workflow
+from lightning_memrl.workflows.memagent import MemAgentWorkflow
+from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
+from lightning_memrl.workflows.rmm import RMMWorkflow
 
 __version__ = "0.1.0"
 __all__ = [

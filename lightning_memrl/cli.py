@@ -7,7 +7,7 @@ import warnings
 
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_memrl.data import MemRLDataModule
+from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
 from lightning_memrl.module import MemRLModule
 

@@ -67,3 +67,16 @@ def find_user_error(err: BaseException) -> MemRLError | None:
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
+
+
+def check_placeholders(*templates: tuple[str, str, tuple[str, ...]], owner: str = "workflow") -> None:
+    """Stop on a prompt template that lacks a placeholder its owner fills in.
+
+    Args:
+        templates: ``(option name, template, required placeholders)`` per template.
+        owner: what the options belong to, first word of the error message.
+    """
+    for name, template, keys in templates:
+        missing = [k for k in keys if k not in template]
+        if missing:
+            raise ValueError(f"{owner} {name} lacks the placeholders {missing}")

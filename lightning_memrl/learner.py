@@ -18,9 +18,9 @@ from torch import Tensor
 from lightning_memrl import distributed, grpo, guards
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.rewards import RewardFunction
-from lightning_memrl.rollout import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
+from lightning_memrl.rollout.prefix import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
 from lightning_memrl.settings import GRPOSettings
-from lightning_memrl.workflow import RolloutBatch
+from lightning_memrl.types import RolloutBatch
 
 if TYPE_CHECKING:
     from lightning_memrl.module import MemRLModule

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_memrl.data.synthetic import synthetic_corpus
+
 log = logging.getLogger(__name__)
 
 TINY = "tiny"
@@ -134,8 +136,6 @@ def build_tiny_tokenizer() -> Any:
     """A byte-level BPE tokenizer trained offline on the synthetic tasks' vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from lightning_memrl.data import synthetic_corpus
 
     specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())

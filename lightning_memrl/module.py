@@ -22,12 +22,18 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_memrl import distributed, grpo, guards, learner
-from lightning_memrl.data import Task
-from lightning_memrl.evaluation import bleu1
-from lightning_memrl.frozen import FrozenRolloutEngine
+from lightning_memrl.callbacks.base import MemRLCallback
+from lightning_memrl.evaluation.metrics import bleu1
+from lightning_memrl.evaluation.report import (
+    evaluation_report,
+    format_report,
+    prediction_row,
+    step_metrics,
+    write_evaluation,
+)
 from lightning_memrl.learner import micro_batches
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
-from lightning_memrl.report import evaluation_report, format_report, prediction_row, step_metrics, write_evaluation
+from lightning_memrl.resume import ExactResume
 from lightning_memrl.rewards import (
     ExactMatch,
     RewardFunction,
@@ -36,9 +42,12 @@ from lightning_memrl.rewards import (
     exact_match,
     token_f1,
 )
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.settings import GRPOSettings, OptimizerSettings, build_optimizer
-from lightning_memrl.workflow import MemAgentWorkflow, RolloutBatch, Workflow
+from lightning_memrl.rollout.frozen import FrozenRolloutEngine
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings, build_optimizer
+from lightning_memrl.types import RolloutBatch, Task
+from lightning_memrl.workflows.base import Workflow
+from lightning_memrl.workflows.memagent import MemAgentWorkflow
 
 __all__ = ["GRPOSettings", "MemRLModule", "OptimizerSettings", "evaluation_report", "format_report", "micro_batches"]
 
@@ -334,8 +343,6 @@ class MemRLModule(L.LightningModule):
         return learner.clip_gradients_or_skip(self, opt, loss)
 
     def _memrl_callbacks(self) -> list[Any]:
-        from lightning_memrl.callbacks import MemRLCallback
-
         return [c for c in self.trainer.callbacks if isinstance(c, MemRLCallback)]
 
     def _log_step(
@@ -416,8 +423,6 @@ class MemRLModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``)."""
-        from lightning_memrl.resume import ExactResume
-
         return [ExactResume()]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

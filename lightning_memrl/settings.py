@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -130,3 +130,34 @@ def build_optimizer(o: OptimizerSettings, groups: list[dict[str, Any]], total: i
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@dataclass
+class GenerationSettings:
+    """Sampling settings of the rollout engine.
+
+    Args:
+        temperature: sampling temperature; 0 means greedy. Log-probs use ``logits / temperature``
+            (1 when greedy), and the update uses the same scaling.
+        top_p: nucleus sampling mass (1.0 = off).
+        top_k: keep the k most likely tokens (0 = off).
+        max_new_tokens: cap of one answer turn; memory turns are capped by the memory budget.
+        max_prompt_length: longest prompt of a turn, in tokens; a longer prompt stops the run with a
+            :class:`~lightning_memrl.errors.DataError` naming its task (it is never truncated). None:
+            the model's ``max_position_embeddings`` minus the turn's new tokens.
+        stop_strings: extra strings that end a response (kept in it, like EOS).
+    """
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    max_prompt_length: int | None = None
+    stop_strings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        p = "model.init_args.generation."
+        check_option(p + "temperature", self.temperature, 0.0, why="0 means greedy")
+        check_option(p + "top_p", self.top_p, 0.0, 1.0, low_open=True, why="1 disables nucleus sampling")
+        check_option(p + "top_k", self.top_k, 0, why="0 disables top-k")
+        check_option(p + "max_new_tokens", self.max_new_tokens, 1)

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_memrl.rollout import Generation, GenerationSettings
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import Generation
 
 
 class ScriptedEngine:

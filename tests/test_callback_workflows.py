@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from lightning_memrl.callbacks import MemoryTokenCredit
-from lightning_memrl.data import Task
 from lightning_memrl.errors import ConfigError
-from lightning_memrl.memory_r1 import MemoryR1Workflow
-from lightning_memrl.rmm import RMMWorkflow
-from lightning_memrl.rollout import Generation
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, MemAgentWorkflow, RolloutBatch, Trajectory, Turn
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
+from lightning_memrl.workflows.memagent import MemAgentWorkflow
+from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
+from lightning_memrl.workflows.rmm import RMMWorkflow
 
 TESTS = Path(__file__).resolve().parent
 

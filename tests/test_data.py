@@ -12,14 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lightning_memrl.data import (
-    DataError,
-    MemRLDataModule,
-    SyntheticTaskConfig,
-    Task,
-    generate_synthetic_tasks,
-    load_tasks,
-)
+from lightning_memrl.data.datamodule import MemRLDataModule
+from lightning_memrl.data.files import load_tasks
+from lightning_memrl.data.synthetic import SyntheticTaskConfig, generate_synthetic_tasks
+from lightning_memrl.errors import DataError
+from lightning_memrl.types import Task
 
 QUESTION = re.compile(r"^What is the secret code of (\w+)\?$")
 

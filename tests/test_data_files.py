@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lightning_memrl.data import DataError, load_tasks
+from lightning_memrl.data.files import load_tasks
+from lightning_memrl.errors import DataError
 
 GOOD = {"question": "Where is the key?", "context": ["It is in the drawer."], "answers": ["drawer"]}
 

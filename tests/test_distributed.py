@@ -21,7 +21,7 @@ from lightning_memrl.distributed import (
     unsharded_for_rollout,
 )
 from lightning_memrl.models import LoraSettings, build_tiny_model, load_policy
-from lightning_memrl.rollout import GenerationSettings
+from lightning_memrl.settings import GenerationSettings
 
 TESTS = Path(__file__).resolve().parent
 

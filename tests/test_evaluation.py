@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from lightning_memrl.errors import ConfigError
-from lightning_memrl.evaluation import LLMJudge, bleu1, evidence_recall
+from lightning_memrl.evaluation.judge import LLMJudge
+from lightning_memrl.evaluation.metrics import bleu1, evidence_recall
 from lightning_memrl.module import evaluation_report, format_report
 
 
@@ -120,7 +121,7 @@ def test_llm_judge_url_keeps_a_query_that_is_not_a_credential():
 def test_cli_refuses_a_judge_url_with_a_key_in_one_message(tmp_path):
     """The judge is built inside the workflow inside the model: the error still reaches the user alone."""
     exe = Path(sys.executable).with_name("lightning-memrl")
-    judge = "{class_path: lightning_memrl.evaluation.LLMJudge, init_args: {base_url: 'http://u:sk-SECRET@h/v1', "
+    judge = "{class_path: lightning_memrl.evaluation.judge.LLMJudge, init_args: {base_url: 'http://u:sk-SECRET@h/v1', "
     judge += "model: m}}"
     config = Path(__file__).resolve().parents[1] / "configs" / "memory_r1_locomo.yaml"
     args = [str(exe), "fit", "--config", str(config), "--model.init_args.workflow.init_args.judge", judge]

@@ -11,13 +11,13 @@ from locomo_fixture import write_locomo
 from scripted_engine import ScriptedEngine
 
 from lightning_memrl import GenerationSettings, GRPOSettings, MemRLDataModule, MemRLModule, OptimizerSettings
-from lightning_memrl.locomo import LoCoMoSettings, load_locomo
-from lightning_memrl.memory_bank import MemoryBank
-from lightning_memrl.memory_r1 import MemoryR1Workflow
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.memory.bank import MemoryBank
 from lightning_memrl.models import LoraSettings
 from lightning_memrl.rewards import RewardFunction
-from lightning_memrl.rmm import RMMWorkflow
-from lightning_memrl.workflow import Trajectory
+from lightning_memrl.types import Trajectory
+from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
+from lightning_memrl.workflows.rmm import RMMWorkflow
 
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=12)
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=12)

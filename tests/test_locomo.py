@@ -8,8 +8,9 @@ import logging
 import pytest
 from locomo_fixture import locomo_conversation, write_locomo
 
-from lightning_memrl.data import DataError, MemRLDataModule
-from lightning_memrl.locomo import LoCoMoSettings, load_locomo, normalize_evidence
+from lightning_memrl.data.datamodule import MemRLDataModule
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo, normalize_evidence
+from lightning_memrl.errors import DataError
 
 
 def test_questions_become_tasks_and_category_5_is_left_out(tmp_path, caplog):

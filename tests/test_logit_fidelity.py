@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_memrl import GenerationSettings, MemRLModule
-from lightning_memrl.rollout import RolloutEngine
+from lightning_memrl.rollout.hf import RolloutEngine
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
 

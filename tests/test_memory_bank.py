@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 import torch
 
-from lightning_memrl.memory_bank import (
+from lightning_memrl.memory.bank import (
     HashingEmbedder,
     MemoryBank,
     MemoryBankError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sqlite3
 
-from lightning_memrl.memory_bank import SQLiteMemoryBank
+from lightning_memrl.memory.bank import SQLiteMemoryBank
 
 WRITES = 1200
 

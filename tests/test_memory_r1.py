@@ -9,11 +9,11 @@ import torch
 from locomo_fixture import write_locomo
 from scripted_engine import ScriptedEngine
 
-from lightning_memrl.bank_workflow import parse_items, split_segments
-from lightning_memrl.locomo import load_locomo
-from lightning_memrl.memory_r1 import MemoryR1Workflow
-from lightning_memrl.rollout import GenerationSettings
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch
+from lightning_memrl.data.locomo import load_locomo
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch
+from lightning_memrl.workflows.bank import parse_items, split_segments
+from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
 
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=16)

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memrl.data import DataError, Task
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import MemAgentWorkflow
+from lightning_memrl.errors import DataError
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import Task
+from lightning_memrl.workflows.memagent import MemAgentWorkflow
 
 REPO = Path(__file__).resolve().parents[1]
 

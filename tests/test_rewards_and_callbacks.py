@@ -9,7 +9,6 @@ import torch
 
 from lightning_memrl.callbacks.memory_credit import MemoryTokenCredit, memory_write_credits
 from lightning_memrl.callbacks.overlong import OverlongPenalty, soft_overlong_penalty
-from lightning_memrl.data import Task
 from lightning_memrl.rewards import (
     BoxedFormat,
     ExactMatch,
@@ -23,8 +22,7 @@ from lightning_memrl.rewards import (
     sub_exact_match,
     token_f1,
 )
-from lightning_memrl.rollout import Generation
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
 
 
 def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:

@@ -10,8 +10,9 @@ from locomo_fixture import write_locomo
 from scripted_engine import ScriptedEngine
 
 from lightning_memrl import GenerationSettings, GRPOSettings, MemRLDataModule, MemRLModule
-from lightning_memrl.locomo import LoCoMoSettings, load_locomo
-from lightning_memrl.rmm import (
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.types import ANSWER_TURN
+from lightning_memrl.workflows.rmm import (
     Reranker,
     RMMWorkflow,
     citation_rewards,
@@ -20,7 +21,6 @@ from lightning_memrl.rmm import (
     reinforce_loss,
     selection_log_probs,
 )
-from lightning_memrl.workflow import ANSWER_TURN
 
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=16)

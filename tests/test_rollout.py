@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
 
 
 def _prompts(tokenizer):

@@ -7,7 +7,9 @@ import torch
 
 from lightning_memrl import MemRLModule
 from lightning_memrl.models import LoraSettings
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine, shared_prefix_groups
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.prefix import shared_prefix_groups
+from lightning_memrl.settings import GenerationSettings
 
 
 def test_groups_are_consecutive_prompts_with_a_long_enough_common_prefix() -> None:

@@ -10,8 +10,8 @@ import pytest
 from locomo_fixture import locomo_conversation, write_locomo
 
 from lightning_memrl import MemRLDataModule, SyntheticTaskConfig
+from lightning_memrl.data.locomo import LoCoMoSettings
 from lightning_memrl.errors import ConfigError, DataError
-from lightning_memrl.locomo import LoCoMoSettings
 
 
 def _five_conversations(folder):

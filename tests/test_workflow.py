@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memrl.data import Task
-from lightning_memrl.memory import TextMemoryStore
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, MemAgentWorkflow, RolloutBatch
+from lightning_memrl.memory.text import TextMemoryStore
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Task
+from lightning_memrl.workflows.memagent import MemAgentWorkflow
 
 
 def _tasks():

@@ -12,17 +12,16 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
 from lightning_memrl.errors import DataError
-from lightning_memrl.locomo import LoCoMoSettings, load_locomo
-
-if TYPE_CHECKING:
-    from lightning_memrl.data import Task
+from lightning_memrl.types import Task
 
 log = logging.getLogger(__name__)
+
 
 SHOWN = 5  # overlapping ids named in an error message
 

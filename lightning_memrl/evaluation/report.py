@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memrl.workflow import RolloutBatch
+from lightning_memrl.types import RolloutBatch
 
 
 def evaluation_report(records: list[tuple], **info: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ that a frozen extractor and manager wrote); RMM's prospective reflection is froz
 generator trains. "Frozen" must mean a model that does not change: generating those turns with
 the policy being trained, and only leaving them out of the loss, lets the frozen agent drift with
 every optimizer step (and the reward it gives with it). :class:`FrozenRolloutEngine` is a
-:class:`~lightning_memrl.rollout.RolloutEngine` over such a model: a frozen copy of the initial
+:class:`~lightning_memrl.rollout.hf.RolloutEngine` over such a model: a frozen copy of the initial
 weights, or the LoRA policy with its adapters disabled around every ``generate``.
 """
 
@@ -15,7 +15,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from lightning_memrl.rollout import Generation, GenerationSettings, RolloutEngine
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import Generation
 
 
 class FrozenRolloutEngine(RolloutEngine):
@@ -26,7 +28,7 @@ class FrozenRolloutEngine(RolloutEngine):
         tokenizer: its tokenizer.
         description: which model this is, for logs (e.g. "a frozen copy of the initial weights").
         context: entered around every ``generate`` (e.g. ``policy.disable_adapter``); None: nothing.
-        **kwargs: passed to :class:`~lightning_memrl.rollout.RolloutEngine` (``share_prefixes``, ...).
+        **kwargs: passed to :class:`~lightning_memrl.rollout.hf.RolloutEngine` (``share_prefixes``, ...).
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """What Memory-R1 and RMM share: LoCoMo conversations cut into segments, memory banks, frozen parts.
 
-Both paradigms first turn a conversation into a :class:`~lightning_memrl.memory_bank.MemoryBank`
+Both paradigms first turn a conversation into a :class:`~lightning_memrl.memory.bank.MemoryBank`
 (Memory-R1: extract facts, then one ADD/UPDATE/DELETE/NOOP per fact; RMM: summarise topics, then
 add or merge each), then answer a question from retrieved entries.
 
@@ -21,17 +21,23 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_memrl.data import DataError, Task
-from lightning_memrl.evaluation import LLMJudge, evidence_recall
-from lightning_memrl.frozen import engine_description
-from lightning_memrl.locomo import Conversation, DialogTurn, Session
-from lightning_memrl.memory_bank import MemoryBank
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import Trajectory, Turn, Workflow, encode_chat_prompt
+from lightning_memrl.data.locomo import Conversation, DialogTurn, Session
+from lightning_memrl.errors import DataError
+from lightning_memrl.evaluation.judge import LLMJudge
+from lightning_memrl.evaluation.metrics import evidence_recall
+from lightning_memrl.memory.bank import MemoryBank
+from lightning_memrl.rollout.frozen import engine_description
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import Task, Trajectory, Turn
+from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
 
 log = logging.getLogger(__name__)
 
+
 _TAG = re.compile(r"\[?\bD:?(\d+):(\d+)\]?")
+
+
 _BULLET = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s*")
 
 

@@ -7,66 +7,16 @@ re-tokenises text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_memrl.errors import DataError, check_option
+from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
-
-
-@dataclass
-class GenerationSettings:
-    """Sampling settings of the rollout engine.
-
-    Args:
-        temperature: sampling temperature; 0 means greedy. Log-probs use ``logits / temperature``
-            (1 when greedy), and the update uses the same scaling.
-        top_p: nucleus sampling mass (1.0 = off).
-        top_k: keep the k most likely tokens (0 = off).
-        max_new_tokens: cap of one answer turn; memory turns are capped by the memory budget.
-        max_prompt_length: longest prompt of a turn, in tokens; a longer prompt stops the run with a
-            :class:`~lightning_memrl.errors.DataError` naming its task (it is never truncated). None:
-            the model's ``max_position_embeddings`` minus the turn's new tokens.
-        stop_strings: extra strings that end a response (kept in it, like EOS).
-    """
-
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
-    max_prompt_length: int | None = None
-    stop_strings: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        p = "model.init_args.generation."
-        check_option(p + "temperature", self.temperature, 0.0, why="0 means greedy")
-        check_option(p + "top_p", self.top_p, 0.0, 1.0, low_open=True, why="1 disables nucleus sampling")
-        check_option(p + "top_k", self.top_k, 0, why="0 disables top-k")
-        check_option(p + "max_new_tokens", self.max_new_tokens, 1)
-
-
-@dataclass
-class Generation:
-    """What the engine returns for one prompt."""
-
-    token_ids: list[int]  # generated ids up to and including EOS / stop string
-    logprobs: Tensor  # [len(token_ids)] float32, under logits / temperature
-    truncated: bool  # hit max_new_tokens without EOS or a stop string
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-    """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, P]."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
-
+from lightning_memrl.rollout.prefix import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import Generation
 
 NEUTRAL_PROCESSING: dict[str, Any] = {  # every generate option that changes the sampled distribution, set off
     "repetition_penalty": None,
@@ -94,60 +44,11 @@ NEUTRAL_PROCESSING: dict[str, Any] = {  # every generate option that changes the
     "num_beams": 1,
     "num_return_sequences": 1,
 }
+
+
 """Passed to every ``generate`` call: ``generate`` fills an option the call leaves unset from the
 model's ``generation_config`` (Qwen2.5-Instruct ships ``repetition_penalty: 1.05``), which would
 sample from another distribution than the one whose log-probs are recorded and trained on."""
-
-MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a separate prefill
-
-
-def _common_prefix(prompts: list[list[int]]) -> int:
-    """Length of the longest prefix all ``prompts`` share, leaving each at least one token."""
-    limit = min(len(p) for p in prompts) - 1
-    common = 0
-    while common < limit and all(p[common] == prompts[0][common] for p in prompts):
-        common += 1
-    return common
-
-
-def shared_prefix_groups(
-    prompts: list[list[int]], min_shared: int, labels: list[Any] | None = None
-) -> list[tuple[int, list[int]]]:
-    """Group prompts that share a prefix of at least ``min_shared`` tokens; each group's prefix is prefilled once.
-
-    With ``labels`` (e.g. the task each prompt belongs to: GRPO group members share their prompt's
-    first part, in MemAgent the problem and the chunk) prompts with the same label form a group.
-    Without them, consecutive prompts join a group while they keep at least half of its prefix, so
-    a chat template's common header alone does not merge two groups. A prefix always leaves at
-    least one token of every member's prompt, so each member still has an input to generate from.
-
-    Returns:
-        ``(prefix_length, rows)`` per group; a prompt that shares too little is a group of its own.
-    """
-    candidates: list[list[int]] = []
-    if labels is not None:
-        by_label: dict[Any, list[int]] = {}
-        for row, label in enumerate(labels):
-            by_label.setdefault(label, []).append(row)
-        candidates = list(by_label.values())
-    else:
-        for row, prompt in enumerate(prompts):
-            if candidates:
-                rows = candidates[-1]
-                current = _common_prefix([prompts[r] for r in rows])
-                joined = _common_prefix([prompts[r] for r in rows] + [prompt])
-                if joined >= min_shared and 2 * joined >= current:
-                    rows.append(row)
-                    continue
-            candidates.append([row])
-    groups: list[tuple[int, list[int]]] = []
-    for rows in candidates:
-        length = _common_prefix([prompts[r] for r in rows])
-        if len(rows) > 1 and length >= max(min_shared, 1):
-            groups.append((length, rows))
-        else:
-            groups.extend((len(prompts[r]) - 1, [r]) for r in rows)
-    return groups
 
 
 class RolloutEngine:

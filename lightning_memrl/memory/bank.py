@@ -437,6 +437,8 @@ class ParsedOperation:
 
 
 _OP_SYNONYMS = {"ADD": "ADD", "UPDATE": "UPDATE", "MERGE": "UPDATE", "DELETE": "DELETE", "NOOP": "NOOP", "NONE": "NOOP"}
+
+
 _OP_LINE = re.compile(
     r"\b(ADD|UPDATE|MERGE|DELETE|NOOP|NONE)\b[\s:,\-]*(?:\[?(m\d+)\]?)?[\s:,\-]*(.*)", re.IGNORECASE | re.DOTALL
 )

@@ -3,7 +3,7 @@
 A LoCoMo file holds one conversation (``speaker_a``, ``speaker_b``, ``session_N`` turn lists with
 ``dia_id``, ``session_N_date_time``) and its ``qa`` list (``question``, ``answer``, ``evidence``
 dia_ids, ``category``). The original release's layout (a list of ``{"sample_id",
-"conversation", "qa"}`` objects) is read too. Each question becomes a :class:`~lightning_memrl.data.Task`
+"conversation", "qa"}`` objects) is read too. Each question becomes a :class:`~lightning_memrl.types.Task`
 whose ``context`` is the list of session transcripts (so MemAgent reads one session per chunk)
 and whose ``meta`` carries the parsed :class:`Conversation`, the category and the evidence ids
 (what Memory-R1 and RMM build their memory banks from and score retrieval against).
@@ -20,17 +20,20 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_memrl.errors import DataError
-
-if TYPE_CHECKING:  # data.py imports this module for its settings type: import it lazily here
-    from lightning_memrl.data import Task
+from lightning_memrl.types import Task
 
 log = logging.getLogger(__name__)
 
+
 UNANSWERABLE = "Not mentioned in the conversation"
+
+
 _SESSION_KEY = re.compile(r"session_(\d+)")
+
+
 _DIA_ID = re.compile(r"D:?(\d+):(\d+)")
 
 
@@ -186,8 +189,6 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
         DataError: missing path, unreadable file, or a conversation/question with a missing or
             mistyped field (the message names the file, the item and the field).
     """
-    from lightning_memrl.data import Task
-
     settings = settings or LoCoMoSettings()
     path = Path(path)
     if path.is_dir():

@@ -30,16 +30,20 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_memrl.bank_workflow import BankWorkflow, answer_part, parse_items
-from lightning_memrl.evaluation import LLMJudge
-from lightning_memrl.locomo import Conversation
-from lightning_memrl.memory_bank import MemoryBank, MemoryBankError, parse_memory_operation
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn, check_placeholders
+from lightning_memrl.data.locomo import Conversation
+from lightning_memrl.errors import check_placeholders
+from lightning_memrl.evaluation.judge import LLMJudge
+from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, parse_memory_operation
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items
 
 log = logging.getLogger(__name__)
 
+
 EXTRACT_TURN = "extract"
+
 
 DEFAULT_EXTRACT_TEMPLATE = (
     "Here is part of a conversation ({date}):\n{dialogue}\n\n"
@@ -47,17 +51,23 @@ DEFAULT_EXTRACT_TEMPLATE = (
     "sentence with names and dates, starting with the turn it comes from, e.g.\n"
     "[D1:3] Caroline went to a support group on 7 May 2023."
 )
+
+
 DEFAULT_MANAGE_TEMPLATE = (
     "You manage a memory bank. Memories related to a new fact:\n{memories}\n\nNew fact ({date}): {fact}\n\n"
     "Choose one operation: ADD (store the fact as a new memory), UPDATE (rewrite a listed memory so it "
     "includes the fact), DELETE (the fact shows a listed memory is wrong) or NOOP (nothing new). "
     'Reply with JSON only, e.g. {{"op": "ADD", "text": "..."}} or {{"op": "UPDATE", "id": "m3", "text": "..."}}.'
 )
+
+
 DEFAULT_ANSWER_TEMPLATE = (
     "Memories from a conversation between {speaker_a} and {speaker_b}:\n{memories}\n\nQuestion: {question}\n\n"
     "First write the ids of the memories that answer the question, then a short answer:\n"
     "Memories: m1, m2\nAnswer: \\boxed{{answer}}"
 )
+
+
 _MEMORY_ID = re.compile(r"\bm\d+\b")
 
 

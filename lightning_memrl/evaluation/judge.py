@@ -1,57 +1,19 @@
-"""Question-answering metrics beyond exact match and F1: BLEU-1, evidence recall, an LLM judge.
-
-Exact match and token F1 live in :mod:`lightning_memrl.rewards` (they are also rewards). Here are
-the other numbers LoCoMo papers report: BLEU-1 of the answer, evidence recall (did retrieval show
-the agent the turns that support the answer) and an optional LLM-as-judge score from any
-OpenAI-compatible chat endpoint (off unless configured; nothing here touches the network by itself).
-"""
+"""LLM-as-a-judge through an OpenAI-compatible endpoint, as LoCoMo evaluations report J."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import urllib.parse
 import urllib.request
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from lightning_memrl.errors import ConfigError
-from lightning_memrl.rewards import normalize_answer
-from lightning_memrl.workflow import check_placeholders
+from lightning_memrl.errors import ConfigError, check_placeholders
 
 log = logging.getLogger(__name__)
-
-
-def bleu1(prediction: str, answers: list[str]) -> float:
-    """Best BLEU-1 over gold answers: clipped unigram precision × brevity penalty (SQuAD-normalised words).
-
-    ``BP = 1`` when the prediction is longer than the reference, else ``exp(1 - r / c)``.
-    """
-    pred = normalize_answer(prediction).split()
-    if not pred:
-        return 0.0
-    best = 0.0
-    for answer in answers:
-        ref = normalize_answer(answer).split()
-        if not ref:
-            continue
-        overlap = sum((Counter(pred) & Counter(ref)).values())
-        brevity = 1.0 if len(pred) > len(ref) else math.exp(1 - len(ref) / len(pred))
-        best = max(best, brevity * overlap / len(pred))
-    return best
-
-
-def evidence_recall(retrieved_source_ids: list[str] | set[str], evidence: list[str]) -> float | None:
-    """Share of the ``evidence`` ids found among the source ids of what was retrieved (None: no evidence)."""
-    if not evidence:
-        return None
-    shown = set(retrieved_source_ids)
-    return sum(e in shown for e in evidence) / len(evidence)
-
 
 DEFAULT_JUDGE_PROMPT = (
     "Label an answer to a question about a long conversation as CORRECT or WRONG.\n"
@@ -61,7 +23,10 @@ DEFAULT_JUDGE_PROMPT = (
     'or {{"label": "WRONG"}}.'
 )
 
+
 Transport = Callable[[str, dict[str, str], dict[str, Any]], dict[str, Any]]
+
+
 _SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature|^sig$", re.IGNORECASE)
 
 

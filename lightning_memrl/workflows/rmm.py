@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memrl.bank_workflow import BankWorkflow, answer_part, parse_items
-from lightning_memrl.evaluation import LLMJudge, evidence_recall
-from lightning_memrl.locomo import Conversation
-from lightning_memrl.memory_bank import (
+from lightning_memrl.data.locomo import Conversation
+from lightning_memrl.errors import check_placeholders
+from lightning_memrl.evaluation.judge import LLMJudge
+from lightning_memrl.evaluation.metrics import evidence_recall
+from lightning_memrl.memory.bank import (
     Embedder,
     HashingEmbedder,
     MemoryBank,
@@ -43,23 +44,31 @@ from lightning_memrl.memory_bank import (
     SentenceTransformerEmbedder,
     parse_memory_operation,
 )
-from lightning_memrl.rollout import GenerationSettings, RolloutEngine
-from lightning_memrl.workflow import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn, check_placeholders
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
+from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items
 
 log = logging.getLogger(__name__)
 
+
 REFLECT_TURN = "reflect"
+
 
 DEFAULT_REFLECT_TEMPLATE = (
     "Here is part of a conversation ({date}):\n{dialogue}\n\n"
     "List at most {max_topics} topics discussed, one per line, each a short summary with names and dates, "
     "starting with the turn it comes from, e.g.\n[D1:3] Caroline went to an LGBTQ support group on 7 May 2023."
 )
+
+
 DEFAULT_MERGE_TEMPLATE = (
     "Existing memories similar to a new one:\n{memories}\n\nNew memory ({date}): {memory}\n\n"
     "If the new memory is about the same topic as a listed one, MERGE it into that one; otherwise ADD it. "
     'Reply with JSON only: {{"op": "ADD"}} or {{"op": "MERGE", "id": "m3", "text": "the merged memory"}}.'
 )
+
+
 DEFAULT_ANSWER_TEMPLATE = (
     "Memories from a conversation between {speaker_a} and {speaker_b}:\n{memories}\n\nQuestion: {question}\n\n"
     "Answer briefly, then list the numbers of the memories you used:\n"

@@ -1,0 +1,143 @@
+"""MemAgent (arXiv:2507.02259): read a long context chunk by chunk, overwrite a bounded memory after
+each chunk, and answer from the memory alone."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning_memrl.errors import check_option, check_placeholders
+from lightning_memrl.memory.text import TextMemoryStore
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Task, Trajectory, Turn
+from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_TEMPLATE = (
+    "You read a long document one section at a time and keep notes for a question.\n"
+    "Question: {problem}\n\nSection:\n{chunk}\n\nYour notes so far:\n{memory}\n\n"
+    "Write the updated notes: keep every fact that helps answer the question, add the new ones "
+    "from this section, drop the rest. Reply with the notes only."
+)
+
+
+DEFAULT_ANSWER_TEMPLATE = (
+    "Question: {problem}\n\nYour notes:\n{memory}\n\n"
+    "Answer the question using the notes. Give the final answer as \\boxed{{answer}}."
+)
+
+
+class MemAgentWorkflow(Workflow):
+    """MemAgent: read chunk k with memory k-1, overwrite the memory, answer from the last memory.
+
+    Args:
+        max_memory_tokens: budget of the memory (also the generation cap of a memory turn).
+        chunk_tokens: chunk size when a task's context is one text (ignored for chunk lists).
+        max_chunks: read at most this many chunks; the rest are dropped and counted.
+        memory_template: prompt of a memory turn, with ``{problem}``, ``{chunk}``, ``{memory}``
+            (write literal braces as ``{{ }}``). The shared part (problem, chunk) comes first so
+            group members share a prompt prefix.
+        answer_template: prompt of the answer turn, with ``{problem}`` and ``{memory}``.
+        system_prompt: optional system message of every turn.
+        empty_memory: what the first turn shows as memory.
+    """
+
+    memory_per_chunk = True
+
+    def __init__(
+        self,
+        max_memory_tokens: int = 64,
+        chunk_tokens: int = 256,
+        max_chunks: int | None = None,
+        memory_template: str = DEFAULT_MEMORY_TEMPLATE,
+        answer_template: str = DEFAULT_ANSWER_TEMPLATE,
+        system_prompt: str | None = None,
+        empty_memory: str = "No previous notes.",
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"workflow chunk_tokens must be >= 1, got {chunk_tokens}")
+        if max_chunks is not None:
+            check_option("model.init_args.workflow.init_args.max_chunks", max_chunks, 1, why="null reads every chunk")
+        check_placeholders(
+            ("memory_template", memory_template, ("{problem}", "{chunk}", "{memory}")),
+            ("answer_template", answer_template, ("{problem}", "{memory}")),
+        )
+        self.memory = TextMemoryStore(max_memory_tokens, empty_text=empty_memory)
+        self.chunk_tokens = chunk_tokens
+        self.max_chunks = max_chunks
+        self.memory_template = memory_template
+        self.answer_template = answer_template
+        self.system_prompt = system_prompt
+
+    def split_context(self, context: list[str] | str, tokenizer: Any) -> list[str]:
+        """A chunk list as is; one text cut into windows of ``chunk_tokens`` tokens."""
+        if isinstance(context, list):
+            return [c for c in context if c.strip()]
+        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        return [tokenizer.decode(ids[i : i + self.chunk_tokens]) for i in range(0, len(ids), self.chunk_tokens)]
+
+    def encode_prompt(self, text: str, tokenizer: Any) -> list[int]:
+        """Prompt ids of one user message (through the chat template when there is one)."""
+        return encode_chat_prompt(text, tokenizer, self.system_prompt)
+
+    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+        tokenizer = engine.tokenizer
+        chunk_cache: dict[int, list[str]] = {}
+        trajectories = []
+        for task in tasks:  # group members share the Task object: chunk it once
+            if id(task) not in chunk_cache:
+                chunk_cache[id(task)] = self.split_context(task.context, tokenizer)
+            chunks = chunk_cache[id(task)]
+            kept = chunks[: self.max_chunks] if self.max_chunks else chunks
+            trajectories.append(Trajectory(task=task, chunks=kept, chunks_dropped=len(chunks) - len(kept)))
+        dropped = sum(t.chunks_dropped for t in trajectories)
+        if dropped:
+            log.warning("max_chunks=%s: dropped %d chunks across %d trajectories", self.max_chunks, dropped, len(tasks))
+        self.memory.reset(len(trajectories))
+        for k in range(max(len(t.chunks) for t in trajectories)):
+            active = [i for i, t in enumerate(trajectories) if k < len(t.chunks)]
+            prompts = [
+                self.encode_prompt(
+                    self.memory_template.format(
+                        problem=trajectories[i].task.question,
+                        chunk=trajectories[i].chunks[k],
+                        memory=self.memory.read(i),
+                    ),
+                    tokenizer,
+                )
+                for i in active
+            ]
+            generations = engine.generate(  # group members share the problem and chunk: one prefill
+                prompts,
+                settings,
+                max_new_tokens=self.memory.max_memory_tokens,
+                prefix_labels=[id(trajectories[i].task) for i in active],
+                task_ids=[trajectories[i].task.id for i in active],
+            )
+            for i, prompt, gen in zip(active, prompts, generations):
+                text = self.memory.write(i, gen.token_ids, tokenizer)
+                trajectories[i].turns.append(Turn(MEMORY_TURN, prompt, gen, text))
+                trajectories[i].memories.append(text)
+        prompts = [
+            self.encode_prompt(
+                self.answer_template.format(problem=t.task.question, memory=self.memory.read(i)), tokenizer
+            )
+            for i, t in enumerate(trajectories)
+        ]
+        labels, ids = [id(t.task) for t in trajectories], [t.task.id for t in trajectories]
+        answers = engine.generate(prompts, settings, prefix_labels=labels, task_ids=ids)
+        for traj, prompt, gen in zip(trajectories, prompts, answers):
+            traj.turns.append(Turn(ANSWER_TURN, prompt, gen, tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
+        return trajectories
+
+    def max_response_tokens(self, settings: GenerationSettings) -> int:
+        return max(settings.max_new_tokens, self.memory.max_memory_tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "memory" in state:
+            self.memory.load_state_dict(state["memory"])
