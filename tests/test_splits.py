@@ -102,6 +102,6 @@ def test_same_conversation_different_questions_is_allowed_with_a_warning(tmp_pat
         locomo=LoCoMoSettings(categories=[4]),
         locomo_val=LoCoMoSettings(categories=[1, 2]),
     )
-    with caplog.at_level(logging.WARNING, logger="lightning_memrl.splits"):
+    with caplog.at_level(logging.WARNING, logger="lightning_memrl.data.splits"):
         dm.setup("fit")
     assert "different questions of the same 1 LoCoMo conversations ['conv-test']" in caplog.text
