@@ -79,7 +79,7 @@ class MemRLDataModule(L.LightningDataModule):
     Args:
         train_path: JSON/JSONL/Parquet file of training tasks; None uses ``locomo_path``, else ``synthetic``.
         val_path: file of validation tasks; None uses ``locomo_path``, else ``synthetic_val``.
-        locomo_path: a LoCoMo JSON file or folder (see ``lightning_memrl.locomo``) used for the
+        locomo_path: a LoCoMo JSON file or folder (see ``lightning_memrl.data.locomo``) used for the
             splits that have no ``train_path``/``val_path``.
         locomo: which LoCoMo questions train (categories, session and question caps, conversation ids).
         locomo_val: which LoCoMo questions validate (default: the same filters as ``locomo``).

@@ -11,7 +11,7 @@ distillation) and then the answer. Training stages (``stage``):
   each conversation's bank is built once, greedily, and cached.
 
 A frozen agent (and the extractor unless ``train_extractor``) generates greedily with the
-workflow's ``frozen_engine`` (see :mod:`lightning_memrl.bank_workflow`), a model that does not
+workflow's ``frozen_engine`` (see :mod:`lightning_memrl.workflows.bank`), a model that does not
 train: its facts and banks are the same at every step, and a log line names the model that built
 them. With ``train_extractor`` the extractor is the policy: its validation facts are cached only
 until the next training rollout.

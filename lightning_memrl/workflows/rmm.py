@@ -16,7 +16,7 @@ the reranker is registered as a module, so its parameters are in the optimizer a
 The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
 
 Prospective reflection is never trained: it runs greedily on the workflow's ``frozen_engine`` (a
-model that does not train, see :mod:`lightning_memrl.bank_workflow`), once per conversation, and
+model that does not train, see :mod:`lightning_memrl.workflows.bank`), once per conversation, and
 the bank is cached; a log line names the model that built it. The generator is the policy when
 ``train_generator``; otherwise nothing trains the policy and it serves as the fixed model.
 """
