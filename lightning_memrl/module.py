@@ -230,6 +230,13 @@ class MemRLModule(L.LightningModule):
         """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
         return self.policy.disable_adapter() if self.lora is not None else nullcontext()
 
+    def on_train_start(self) -> None:
+        """Hand the rollout backend the policy's weights as training (or validation, testing) starts:
+        they may have been loaded from a checkpoint or moved to their device after it was built."""
+        self.engine.sync_weights(self.policy)
+
+    on_validation_start = on_test_start = on_train_start
+
     # ------------------------------------------------------------------ (b) (c) (e) overridable steps
     def rollout(self, tasks: list[Task], settings: GenerationSettings) -> RolloutBatch:
         """Run the workflow on ``tasks`` (group members already repeated) and flatten the turns."""

@@ -8,10 +8,12 @@ re-tokenises text). ``MemRLModule`` builds one from its ``rollout`` option,
 The default is the in-process ``transformers`` engine,
 :class:`~lightning_memrl.rollout.hf.RolloutEngine`.
 
-After every optimizer step that changes the policy, the learner calls :meth:`RolloutBackend.sync_weights`
-with the policy: a backend that samples from its own copy of the weights (vLLM, SGLang, a compiled
-engine) loads the new ones there. A step skipped by the non-finite guard changes no weight and is
-not followed by a call.
+After every optimizer step the learner calls :meth:`RolloutBackend.sync_weights` with the policy
+(``ppo_epochs`` calls per batch): a backend that samples from its own copy of the weights (vLLM,
+SGLang, a compiled engine) loads the new ones there. A step skipped by the non-finite guard changes
+no weight and is not followed by a call. ``MemRLModule`` also calls it when training, validation
+or testing starts, since the policy may have been loaded from a checkpoint (or moved to its device)
+after the backend was built.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class RolloutBackend(ABC):
         """Make the next ``generate`` sample from ``model``'s current weights.
 
         Called with the policy after every optimizer step that was not skipped (``ppo_epochs``
-        steps per batch). A backend that samples from the live policy in-process does nothing here.
+        steps per batch) and when training, validation or testing starts. A backend that samples
+        from the live policy in-process does nothing here.
         """
 
 

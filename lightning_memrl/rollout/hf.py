@@ -95,19 +95,12 @@ class RolloutEngine(RolloutBackend):
         prefix_labels: list[Any] | None = None,
         task_ids: list[str] | None = None,
     ) -> list[Generation]:
-        """Sample one response per prompt, all prompts in one batch.
+        """Sample one response per prompt, all prompts in one batch (see :meth:`RolloutBackend.generate`).
 
-        Args:
-            prompts: prompt token ids, one list per conversation.
-            settings: sampling settings.
-            max_new_tokens: overrides ``settings.max_new_tokens`` for this call.
-            prefix_labels: one label per prompt; prompts with equal labels share a prefix (see
-                :func:`shared_prefix_groups`). None detects groups among consecutive prompts.
-            task_ids: the id of the task each prompt belongs to, named when a prompt is too long.
-
-        Raises:
-            DataError: a prompt longer than ``settings.max_prompt_length`` or than the model's
-                context leaves room for (checked before anything is allocated).
+        Prompts with equal ``prefix_labels`` share a prefix (see :func:`shared_prefix_groups`);
+        None detects groups among consecutive prompts. The prompt length check comes before
+        anything is allocated: ``settings.max_prompt_length`` or the model's context minus
+        ``max_new_tokens``, whichever is smaller.
         """
         if not prompts:
             return []
