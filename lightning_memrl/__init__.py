@@ -9,6 +9,7 @@ from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp, SQLit
 from lightning_memrl.memory.text import TextMemoryStore
 from lightning_memrl.models import LoraSettings
 from lightning_memrl.module import GRPOSettings, MemRLModule, OptimizerSettings
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import RolloutBatch, Task, Trajectory, Turn
@@ -36,6 +37,7 @@ __all__ = [
     "OptimizerSettings",
     "RMMWorkflow",
     "RolloutBatch",
+    "RolloutBackend",
     "RolloutEngine",
     "SQLiteMemoryBank",
     "SyntheticTaskConfig",

@@ -14,11 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 from lightning_memrl import distributed, grpo, guards
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.rewards import RewardFunction
-from lightning_memrl.rollout.prefix import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
+from lightning_memrl.rollout.prefix import (
+    left_pad,
+    position_ids,
+    prefill_shared_prefixes,
+    shared_prefix_groups,
+    split_shared_prefixes,
+)
 from lightning_memrl.settings import GRPOSettings
 from lightning_memrl.types import RolloutBatch
 
@@ -64,20 +71,14 @@ def sequence_logprobs(
     get ``logits_to_keep`` instead.
     """
     device = module.device
-    width = max(len(p) for p in prompts)
-    batch, resp_len = response_ids.shape
-    input_ids = torch.full((batch, width + resp_len), module.engine.pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) : width] = torch.tensor(prompt, dtype=torch.long)
-        attention[row, width - len(prompt) : width] = 1
-    input_ids[:, width:] = response_ids
-    attention[:, width:] = response_mask
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    resp_len = response_ids.shape[1]
+    prompt_ids, prompt_mask = left_pad(prompts, module.engine.pad_id)  # [B, P]
+    width = prompt_ids.shape[1]
+    attention = torch.cat([prompt_mask, response_mask.to(torch.long)], dim=1)
     inputs = {
-        "input_ids": input_ids.to(device),
+        "input_ids": torch.cat([prompt_ids, response_ids], dim=1).to(device),
         "attention_mask": attention.to(device),
-        "position_ids": position_ids.to(device),
+        "position_ids": position_ids(attention).to(device),
         "use_cache": False,
     }
     temperature = module.generation.temperature if module.generation.temperature > 0 else 1.0
@@ -110,9 +111,7 @@ def update_prefix_groups(module: MemRLModule, prompts: list[list[int]]) -> list[
     if not module.share_prefixes or module.gradient_checkpointing:
         return []
     order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # equal prefixes side by side
-    groups = shared_prefix_groups(
-        [prompts[i] for i in order], getattr(module.engine, "min_shared_prefix", MIN_SHARED_PREFIX)
-    )
+    groups = shared_prefix_groups([prompts[i] for i in order], module.engine.min_shared_prefix)
     groups = [(length, [order[r] for r in rows]) for length, rows in groups]
     return groups if any(len(rows) > 1 for _, rows in groups) else []
 
@@ -131,34 +130,15 @@ def shared_prefix_hidden(
     prefix's keys and values are computed once per group and copied (by a differentiable
     index) to its members; the members' gradients flow back into that one computation.
     """
-    from transformers import DynamicCache
-
     device = module.device
-    group_of_row = [0] * len(prompts)
-    for g, (_, rows) in enumerate(groups):
-        for row in rows:
-            group_of_row[row] = g
-    prefixes = [prompts[rows[0]][:length] for length, rows in groups]
-    prefix_ids, prefix_mask = left_pad(prefixes, module.engine.pad_id, device)  # [G, P]
-    rests = [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)]
-    rest_ids, rest_mask = left_pad(rests, module.engine.pad_id, device)  # [B, S]
-    index = torch.tensor(group_of_row, device=device)
-    full_mask = torch.cat([prefix_mask[index], rest_mask, response_mask.to(device)], dim=1)  # [B, P+S+R]
-    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    decoder(
-        input_ids=prefix_ids,
-        attention_mask=prefix_mask,
-        position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
-        cache=cache,
-        use_cache=True,
-    )
-    cache.reorder_cache(index)  # [G, ...] -> [B, ...]
-    prefix_width, rest_width = prefix_ids.shape[1], rest_ids.shape[1]
+    layout = split_shared_prefixes(prompts, groups, module.engine.pad_id, device)
+    full_mask = torch.cat([layout.row_mask, response_mask.to(device)], dim=1)  # [B, P+S+R]
+    cache = prefill_shared_prefixes(decoder, layout, cache=DynamicCache())
+    prefix_width, rest_width = layout.prefix_ids.shape[1], layout.rest_ids.shape[1]
     hidden = decoder(
-        input_ids=torch.cat([rest_ids, response_ids.to(device)], dim=1),
+        input_ids=torch.cat([layout.rest_ids, response_ids.to(device)], dim=1),
         attention_mask=full_mask,
-        position_ids=positions[:, prefix_width:],
+        position_ids=position_ids(full_mask)[:, prefix_width:],
         cache=cache,
         use_cache=True,
     ).last_hidden_state  # [B, S+R, H]
@@ -211,6 +191,7 @@ def update(module: MemRLModule, rollouts: RolloutBatch) -> dict[str, float]:
     batches = micro_batches(lengths, g.micro_batch_tokens)
     if distributed.max_over_ranks(len(batches)) == 0:  # no trainable turn on any rank (only frozen agents spoke)
         _step(opt, scheduler)  # still one step: global_step advances, a workflow module's gradients apply
+        module.engine.sync_weights(module.policy)
         return {"loss": 0.0, "grad_norm": 0.0, "reference_time": 0.0, "logprob_gap": 0.0, "micro_batches": 0.0}
     placeholder = not batches  # only this rank has no trainable turn: zero-weight passes keep it in step
     if placeholder:
@@ -228,6 +209,8 @@ def update(module: MemRLModule, rollouts: RolloutBatch) -> dict[str, float]:
         grad_norm, skip = module._clip_gradients_or_skip(opt, epoch_loss)
         skipped += skip
         _step(opt, scheduler)  # after a skip no parameter has a gradient: AdamW changes no weight and no moment
+        if not skip:  # the rollout backend samples the next batch from the new weights
+            module.engine.sync_weights(module.policy)
     tokens = float(mask.sum()) * g.ppo_epochs
     out = {key: value / tokens for key, value in sums.items()}
     out.update(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import ExitStack, nullcontext
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -42,6 +43,7 @@ from lightning_memrl.rewards import (
     exact_match,
     token_f1,
 )
+from lightning_memrl.rollout.base import RolloutBackend, RolloutBackendFactory, check_backend
 from lightning_memrl.rollout.frozen import FrozenRolloutEngine
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings, build_optimizer
@@ -76,10 +78,14 @@ class MemRLModule(L.LightningModule):
             validation's exact match and F1 (e.g. ``\\b\\d{4}\\b``); None scores the whole
             ``\\boxed{}`` content or text. Reward functions take their own ``answer_pattern``.
         share_prefixes: compute a prompt prefix that group members share (MemAgent: the problem
-            and the chunk) once per group, in rollouts (KV-cache prefill) and in the update.
+            and the chunk) once per group, in the update and in the default engine's rollouts
+            (KV-cache prefill); a backend chosen by ``rollout`` takes its own option.
         grpo: GRPO options.
         optimizer: optimizer and schedule.
         seed: seed of the ``tiny`` model's weights.
+        rollout: the rollout backend, built as ``rollout(policy, tokenizer)`` (see
+            :mod:`lightning_memrl.rollout.base`); in YAML ``{class_path: ..., init_args: {...}}``.
+            None: :class:`~lightning_memrl.rollout.hf.RolloutEngine`, sampling from the live policy.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class MemRLModule(L.LightningModule):
         grpo: GRPOSettings | None = None,
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
+        rollout: RolloutBackendFactory | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -114,6 +121,7 @@ class MemRLModule(L.LightningModule):
         check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
         self.answer_pattern = answer_pattern
         self.share_prefixes = share_prefixes
+        self.rollout_factory = rollout or partial(RolloutEngine, share_prefixes=share_prefixes)
         self.grpo = grpo or GRPOSettings()
         self.optim = optimizer or OptimizerSettings()
         self._skips = guards.SkipCounter(self.grpo.max_consecutive_skipped_steps)
@@ -124,7 +132,7 @@ class MemRLModule(L.LightningModule):
             raise ValueError("model.grpo: group_size and ppo_epochs must be >= 1")
         self.policy: Any = None
         self.tokenizer: Any = None
-        self.engine: RolloutEngine | None = None
+        self.engine: RolloutBackend | None = None
         self._reference: Any = None  # not a registered submodule: kept out of checkpoints
         self.val_exact_match, self.val_f1, self.val_reward = MeanMetric(), MeanMetric(), MeanMetric()
         self._val_records: list[tuple[int, float, float]] = []  # (chunks read, EM, F1) per task
@@ -164,7 +172,7 @@ class MemRLModule(L.LightningModule):
                 if isinstance(layer, torch.nn.modules.dropout._DropoutNd):
                     layer.p = 0.0
         self.policy.train()  # from_pretrained returns eval mode; validation switches it per call
-        self.engine = RolloutEngine(self.policy, self.tokenizer, share_prefixes=self.share_prefixes)
+        self.engine = check_backend(self.rollout_factory(self.policy, self.tokenizer), "model.init_args.rollout")
         if needs_frozen:
             frozen = self.workflow.frozen_engine = self.frozen_engine()
             log.info("%s: frozen agents generate with %s", type(self.workflow).__name__, frozen.description)
@@ -221,6 +229,13 @@ class MemRLModule(L.LightningModule):
     def reference_context(self) -> Any:
         """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
         return self.policy.disable_adapter() if self.lora is not None else nullcontext()
+
+    def on_train_start(self) -> None:
+        """Hand the rollout backend the policy's weights as training (or validation, testing) starts:
+        they may have been loaded from a checkpoint or moved to their device after it was built."""
+        self.engine.sync_weights(self.policy)
+
+    on_validation_start = on_test_start = on_train_start
 
     # ------------------------------------------------------------------ (b) (c) (e) overridable steps
     def rollout(self, tasks: list[Task], settings: GenerationSettings) -> RolloutBatch:

@@ -1,4 +1,4 @@
-"""A stand-in for ``RolloutEngine`` that answers each prompt with a scripted text (no model)."""
+"""A rollout backend that answers each prompt with a scripted text (no model)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import Generation
 
 
-class ScriptedEngine:
+class ScriptedEngine(RolloutBackend):
     """``reply(prompt_text) -> response text``; records every prompt and its settings."""
 
     def __init__(self, tokenizer, reply: Callable[[str], str]) -> None:
         self.tokenizer = tokenizer
-        self.pad_id = tokenizer.pad_token_id
         self.reply = reply
         self.calls: list[tuple[str, float]] = []  # (prompt text, temperature)
 
@@ -29,3 +29,6 @@ class ScriptedEngine:
             ]
             out.append(Generation(ids, torch.zeros(len(ids)), False))
         return out
+
+    def sync_weights(self, model) -> None:
+        """No weights: the script does not change with the policy."""

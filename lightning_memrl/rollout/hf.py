@@ -14,7 +14,14 @@ from torch import Tensor
 
 from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
-from lightning_memrl.rollout.prefix import MIN_SHARED_PREFIX, left_pad, shared_prefix_groups
+from lightning_memrl.rollout.base import RolloutBackend
+from lightning_memrl.rollout.prefix import (
+    MIN_SHARED_PREFIX,
+    left_pad,
+    prefill_shared_prefixes,
+    shared_prefix_groups,
+    split_shared_prefixes,
+)
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import Generation
 
@@ -51,9 +58,10 @@ model's ``generation_config`` (Qwen2.5-Instruct ships ``repetition_penalty: 1.05
 sample from another distribution than the one whose log-probs are recorded and trained on."""
 
 
-class RolloutEngine:
+class RolloutEngine(RolloutBackend):
     """Batched sampling with left padding and the KV cache of ``model.generate``.
 
+    Samples from ``model`` itself, in-process: with the live policy it needs no weight sync.
     Members of a group that share a prompt prefix share its KV cache: the prefix is prefilled once
     per group, copied to every member, and each member prefills only the rest of its prompt.
 
@@ -71,45 +79,12 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.share_prefixes = share_prefixes
         self.min_shared_prefix = min_shared_prefix
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = getattr(model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
 
-    def left_pad(self, prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-        """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, P]."""
-        return left_pad(prompts, self.pad_id, device)
-
-    def prefill_shared_prefixes(
-        self, prompts: list[list[int]], groups: list[tuple[int, list[int]]], device: torch.device
-    ) -> tuple[Tensor, Tensor, Any]:
-        """Prefill each group's prefix once; lay rows out as ``[pad prefix][pad rest]``.
-
-        Returns ``input_ids`` and ``attention_mask`` [B, P + S] over whole prompts and the KV cache
-        of the first ``P`` columns, one copy per row. Pads inside a row are masked out and the
-        position ids ``generate`` derives from the mask stay contiguous over real tokens.
-        """
-        group_of_row = [0] * len(prompts)
-        prefixes = []
-        for g, (length, rows) in enumerate(groups):
-            prefixes.append(prompts[rows[0]][:length])
-            for row in rows:
-                group_of_row[row] = g
-        prefix_ids, prefix_mask = self.left_pad(prefixes, device)  # [G, P]
-        out = self.model(
-            input_ids=prefix_ids,
-            attention_mask=prefix_mask,
-            position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,  # only the KV cache is needed: skip the LM head over the prefix
-        )
-        cache = out.past_key_values
-        cache.reorder_cache(torch.tensor(group_of_row, device=device))  # [G, ...] -> [B, ...]
-        rests = [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)]
-        rest_ids, rest_mask = self.left_pad(rests, device)  # [B, S]
-        input_ids = torch.cat([prefix_ids[group_of_row], rest_ids], dim=1)
-        attention_mask = torch.cat([prefix_mask[group_of_row], rest_mask], dim=1)
-        return input_ids, attention_mask, cache
+    def sync_weights(self, model: Any) -> None:
+        """Nothing to do: ``generate`` runs ``self.model``, the policy the optimizer updates in place."""
 
     @torch.no_grad()
     def generate(
@@ -120,52 +95,24 @@ class RolloutEngine:
         prefix_labels: list[Any] | None = None,
         task_ids: list[str] | None = None,
     ) -> list[Generation]:
-        """Sample one response per prompt, all prompts in one batch.
+        """Sample one response per prompt, all prompts in one batch (see :meth:`RolloutBackend.generate`).
 
-        Args:
-            prompts: prompt token ids, one list per conversation.
-            settings: sampling settings.
-            max_new_tokens: overrides ``settings.max_new_tokens`` for this call.
-            prefix_labels: one label per prompt; prompts with equal labels share a prefix (see
-                :func:`shared_prefix_groups`). None detects groups among consecutive prompts.
-            task_ids: the id of the task each prompt belongs to, named when a prompt is too long.
-
-        Raises:
-            DataError: a prompt longer than ``settings.max_prompt_length`` or than the model's
-                context leaves room for (checked before anything is allocated).
+        Prompts with equal ``prefix_labels`` share a prefix (see :func:`shared_prefix_groups`);
+        None detects groups among consecutive prompts. The prompt length check comes before
+        anything is allocated: ``settings.max_prompt_length`` or the model's context minus
+        ``max_new_tokens``, whichever is smaller.
         """
         if not prompts:
             return []
-        self.check_prompt_lengths(prompts, settings, max_new_tokens or settings.max_new_tokens, task_ids)
-        device = next(self.model.parameters()).device
-        groups = shared_prefix_groups(prompts, self.min_shared_prefix, prefix_labels) if self.share_prefixes else []
-        cache = None
-        if any(len(rows) > 1 for _, rows in groups):
-            input_ids, attention_mask, cache = self.prefill_shared_prefixes(prompts, groups, device)
-        else:
-            input_ids, attention_mask = self.left_pad(prompts, device)
-        greedy = settings.temperature <= 0
-        kwargs: dict[str, Any] = {
-            **NEUTRAL_PROCESSING,  # only temperature / top-p / top-k shape the distribution
-            "max_new_tokens": max_new_tokens or settings.max_new_tokens,
-            "do_sample": not greedy,
-            "pad_token_id": self.pad_id,
-            "eos_token_id": sorted(self.eos_ids),
-            "return_dict_in_generate": True,
-            "output_logits": True,
-            "use_cache": True,
-        }
+        max_new_tokens = max_new_tokens or settings.max_new_tokens
+        self.check_prompt_lengths(prompts, settings, max_new_tokens, task_ids)
+        input_ids, attention_mask, cache = self._prefill(prompts, prefix_labels)
+        kwargs = self._generate_kwargs(settings, max_new_tokens)
         if cache is not None:
             kwargs["cache"] = cache  # generate feeds only the columns after the cache
-        if not greedy:
-            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-        else:  # neutral values so a model's generation_config does not warn or sample
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        if settings.stop_strings:
-            kwargs.update(stop_strings=list(settings.stop_strings), tokenizer=self.tokenizer)
         out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_ids = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, S]
-        scale = 1.0 if greedy else settings.temperature
+        scale = settings.temperature if settings.temperature > 0 else 1.0
         token_logprobs = torch.stack(  # [B, S]; one step's [B, V] logits in fp32 at a time, never [B, S, V]
             [
                 selected_logprobs(step_logits, new_ids[:, step].to(step_logits.device), scale)
@@ -174,6 +121,38 @@ class RolloutEngine:
             dim=1,
         ).cpu()
         return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
+
+    def _prefill(self, prompts: list[list[int]], prefix_labels: list[Any] | None) -> tuple[Tensor, Tensor, Any]:
+        """``input_ids`` and ``attention_mask`` [B, P] of the prompts, and the KV cache of shared
+        prefixes (None when no two prompts share one worth a separate prefill)."""
+        device = next(self.model.parameters()).device
+        groups = shared_prefix_groups(prompts, self.min_shared_prefix, prefix_labels) if self.share_prefixes else []
+        if not any(len(rows) > 1 for _, rows in groups):
+            return (*left_pad(prompts, self.pad_id, device), None)
+        layout = split_shared_prefixes(prompts, groups, self.pad_id, device)
+        cache = prefill_shared_prefixes(self.model, layout, logits_to_keep=1)  # only the KV cache: no LM head
+        return layout.row_ids, layout.row_mask, cache
+
+    def _generate_kwargs(self, settings: GenerationSettings, max_new_tokens: int) -> dict[str, Any]:
+        """Options of ``model.generate``: only temperature / top-p / top-k shape the distribution."""
+        greedy = settings.temperature <= 0
+        kwargs: dict[str, Any] = {
+            **NEUTRAL_PROCESSING,
+            "max_new_tokens": max_new_tokens,
+            "do_sample": not greedy,
+            "pad_token_id": self.pad_id,
+            "eos_token_id": sorted(self.eos_ids),
+            "return_dict_in_generate": True,
+            "output_logits": True,
+            "use_cache": True,
+        }
+        if not greedy:
+            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        else:  # neutral values so a model's generation_config does not warn or sample
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        if settings.stop_strings:
+            kwargs.update(stop_strings=list(settings.stop_strings), tokenizer=self.tokenizer)
+        return kwargs
 
     def prompt_limit(self, settings: GenerationSettings, max_new_tokens: int) -> tuple[int | None, str]:
         """Longest prompt a turn may have, and where that limit comes from (None: no limit known)."""

@@ -1,7 +1,15 @@
-"""Shared-prompt-prefix utilities, used by the rollout engine and by the learner's forward."""
+"""Shared-prompt-prefix utilities, used by the rollout engine and by the learner's forward.
+
+Members of a GRPO group share their prompt's first part (MemAgent: the problem and the chunk). A
+causal model's states over that prefix do not depend on what follows, so it is computed once per
+group: :func:`shared_prefix_groups` finds the groups, :func:`split_shared_prefixes` lays rows out as
+``[pad prefix][pad rest]``, and :func:`prefill_shared_prefixes` runs the prefixes and copies their KV
+cache to every member.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +25,11 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str =
         ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def position_ids(mask: Tensor) -> Tensor:
+    """Positions that count real tokens only: contiguous over a row's unmasked columns, 0 on left pads."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a separate prefill
@@ -69,3 +82,71 @@ def shared_prefix_groups(
         else:
             groups.extend((len(prompts[r]) - 1, [r]) for r in rows)
     return groups
+
+
+@dataclass
+class SharedPrefixLayout:
+    """Each group's prefix once and each row's rest of prompt, both left-padded.
+
+    A row reads ``[pad prefix][pad rest]``: pads inside it are masked out, and positions derived
+    from its mask (:func:`position_ids`) stay contiguous over real tokens.
+    """
+
+    prefix_ids: Tensor  # [G, P] one prefix per group
+    prefix_mask: Tensor  # [G, P]
+    rest_ids: Tensor  # [B, S] each row's prompt after its group's prefix
+    rest_mask: Tensor  # [B, S]
+    group_of_row: Tensor  # [B] the group each row belongs to
+
+    @property
+    def row_ids(self) -> Tensor:
+        """Whole prompts [B, P + S]: the row's group prefix, then its rest."""
+        return torch.cat([self.prefix_ids[self.group_of_row], self.rest_ids], dim=1)
+
+    @property
+    def row_mask(self) -> Tensor:
+        """Attention mask [B, P + S] of :attr:`row_ids`."""
+        return torch.cat([self.prefix_mask[self.group_of_row], self.rest_mask], dim=1)
+
+
+def split_shared_prefixes(
+    prompts: list[list[int]], groups: list[tuple[int, list[int]]], pad_id: int, device: torch.device | str
+) -> SharedPrefixLayout:
+    """Cut every prompt after its group's prefix (``groups`` from :func:`shared_prefix_groups`)."""
+    group_of_row = [0] * len(prompts)
+    for g, (_, rows) in enumerate(groups):
+        for row in rows:
+            group_of_row[row] = g
+    prefix_ids, prefix_mask = left_pad([prompts[rows[0]][:length] for length, rows in groups], pad_id, device)
+    rests = [prompt[groups[g][0] :] for prompt, g in zip(prompts, group_of_row)]
+    rest_ids, rest_mask = left_pad(rests, pad_id, device)
+    index = torch.tensor(group_of_row, device=device)
+    return SharedPrefixLayout(prefix_ids, prefix_mask, rest_ids, rest_mask, index)
+
+
+def prefill_shared_prefixes(model: Any, layout: SharedPrefixLayout, **kwargs: Any) -> Any:
+    """Run ``model`` over each group's prefix once; return the KV cache with one copy per row.
+
+    Exact: the members' forward that continues from this cache sees the same keys and values as
+    a forward over their whole prompt. The copy is a differentiable index, so the members'
+    gradients flow back into the one prefix computation.
+
+    Args:
+        model: a causal LM or its decoder.
+        layout: from :func:`split_shared_prefixes`.
+        **kwargs: passed to the forward (e.g. ``cache=DynamicCache()``, ``logits_to_keep=1``).
+
+    Returns:
+        The cache (``kwargs["cache"]`` when given, else the forward's ``past_key_values``) over the
+        ``P`` prefix columns, ``[G, ...]`` reordered to ``[B, ...]``.
+    """
+    out = model(
+        input_ids=layout.prefix_ids,
+        attention_mask=layout.prefix_mask,
+        position_ids=position_ids(layout.prefix_mask),
+        use_cache=True,
+        **kwargs,
+    )
+    cache = kwargs["cache"] if kwargs.get("cache") is not None else out.past_key_values
+    cache.reorder_cache(layout.group_of_row)  # [G, ...] -> [B, ...]
+    return cache

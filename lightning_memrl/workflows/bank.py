@@ -26,8 +26,8 @@ from lightning_memrl.errors import DataError
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import evidence_recall
 from lightning_memrl.memory.bank import MemoryBank
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.frozen import engine_description
-from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import Task, Trajectory, Turn
 from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
@@ -147,7 +147,7 @@ class BankWorkflow(Workflow):
 
     def generate_turns(
         self,
-        engine: RolloutEngine,
+        engine: RolloutBackend,
         texts: list[str],
         settings: GenerationSettings,
         max_new_tokens: int,
@@ -165,7 +165,7 @@ class BankWorkflow(Workflow):
                 turns.append(Turn(kind, prompt, gen, text, trainable=trainable))
         return turns
 
-    def engine_for(self, engine: RolloutEngine, trained: bool) -> RolloutEngine:
+    def engine_for(self, engine: RolloutBackend, trained: bool) -> RolloutBackend:
         """The engine an agent generates with: the policy's when the agent is ``trained`` in this
         stage (also in validation), else :attr:`frozen_engine`.
 
@@ -189,7 +189,7 @@ class BankWorkflow(Workflow):
         self._bank_cache.clear()
 
     @staticmethod
-    def describe(engine: RolloutEngine) -> str:
+    def describe(engine: RolloutBackend) -> str:
         """Which model ``engine`` generates with (for logs)."""
         return engine_description(engine)
 
@@ -206,7 +206,7 @@ class BankWorkflow(Workflow):
     # ------------------------------------------------------------------ to implement
     def build_banks(
         self,
-        engine: RolloutEngine,
+        engine: RolloutBackend,
         conversations: list[Conversation],
         settings: GenerationSettings,
         trainable: bool,
@@ -216,7 +216,7 @@ class BankWorkflow(Workflow):
 
     def answer(
         self,
-        engine: RolloutEngine,
+        engine: RolloutBackend,
         trajectories: list[Trajectory],
         banks: list[MemoryBank],
         settings: GenerationSettings,
@@ -229,7 +229,7 @@ class BankWorkflow(Workflow):
         return True
 
     # ------------------------------------------------------------------ the rollout
-    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         conversations = [conversation_of(t) for t in tasks]
         trajectories = [Trajectory(task=t, chunks=list(t.context)) for t in tasks]
         evaluating = settings.temperature <= 0

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import RolloutBatch, Task, Trajectory
 
@@ -31,14 +31,14 @@ class Workflow:
 
     A workflow whose agents are not all trained (e.g. Memory-R1's answer agent while its manager
     trains) returns True from :meth:`needs_frozen_model`; ``MemRLModule`` then sets
-    :attr:`frozen_engine`, a :class:`~lightning_memrl.rollout.hf.RolloutEngine` over a model that
+    :attr:`frozen_engine`, a :class:`~lightning_memrl.rollout.base.RolloutBackend` over a model that
     never trains (the LoRA base with adapters disabled, else a frozen copy of the initial
     weights), and the frozen agents' turns generate with it. ``memory_per_chunk`` says whether
     memory turn ``k`` writes ``trajectory.memories[k]`` after reading ``trajectory.chunks[k]``
     (what ``MemoryTokenCredit`` needs).
     """
 
-    frozen_engine: RolloutEngine | None = None  # set by MemRLModule when needs_frozen_model()
+    frozen_engine: RolloutBackend | None = None  # set by MemRLModule when needs_frozen_model()
     memory_per_chunk: bool = False  # each memory turn writes trajectory.memories[k] after reading chunks[k]
 
     def needs_frozen_model(self) -> bool:
@@ -51,7 +51,7 @@ class Workflow:
         state.pop("frozen_engine", None)
         return state
 
-    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         """Run one trajectory per entry of ``tasks`` (group members are repeated entries)."""
         raise NotImplementedError
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_memrl.errors import check_option, check_placeholders
 from lightning_memrl.memory.text import TextMemoryStore
-from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Task, Trajectory, Turn
 from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
@@ -82,7 +82,7 @@ class MemAgentWorkflow(Workflow):
         """Prompt ids of one user message (through the chat template when there is one)."""
         return encode_chat_prompt(text, tokenizer, self.system_prompt)
 
-    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         tokenizer = engine.tokenizer
         chunk_cache: dict[int, list[str]] = {}
         trajectories = []

@@ -34,7 +34,7 @@ from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, parse_memory_operation
-from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
 from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items
@@ -153,7 +153,7 @@ class MemoryR1Workflow(BankWorkflow):
 
     # ------------------------------------------------------------------ extraction
     def extract(
-        self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
+        self, engine: RolloutBackend, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
     ) -> tuple[list[list[list[tuple[str, list[str]]]]], list[list[Turn]]]:
         """Facts per conversation per segment (``(fact, source dia_ids)``) and the extraction turns.
 
@@ -189,7 +189,7 @@ class MemoryR1Workflow(BankWorkflow):
 
     # ------------------------------------------------------------------ the memory manager
     def build_banks(
-        self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
+        self, engine: RolloutBackend, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
     ) -> list[tuple[MemoryBank, list[Turn]]]:
         manager_trainable = trainable and self.stage == "manager"
         facts, turns = self.extract(engine, conversations, settings, trainable and self.train_extractor)
@@ -256,7 +256,7 @@ class MemoryR1Workflow(BankWorkflow):
     # ------------------------------------------------------------------ the answer agent
     def answer(
         self,
-        engine: RolloutEngine,
+        engine: RolloutBackend,
         trajectories: list[Trajectory],
         banks: list[MemoryBank],
         settings: GenerationSettings,

@@ -44,7 +44,7 @@ from lightning_memrl.memory.bank import (
     SentenceTransformerEmbedder,
     parse_memory_operation,
 )
-from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
 from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items
@@ -238,7 +238,7 @@ class RMMWorkflow(BankWorkflow):
 
     # ------------------------------------------------------------------ prospective reflection
     def build_banks(
-        self, engine: RolloutEngine, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
+        self, engine: RolloutBackend, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
     ) -> list[tuple[MemoryBank, list[Turn]]]:
         engine = self.engine_for(engine, False)  # prospective reflection is never trained
         segments = [self.segments(c) for c in conversations]
@@ -306,7 +306,7 @@ class RMMWorkflow(BankWorkflow):
 
     def answer(
         self,
-        engine: RolloutEngine,
+        engine: RolloutBackend,
         trajectories: list[Trajectory],
         banks: list[MemoryBank],
         settings: GenerationSettings,
