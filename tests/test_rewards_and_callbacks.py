@@ -202,7 +202,7 @@ def overlong_batch() -> RolloutBatch:
     ]
     batch = RolloutBatch.from_trajectories(trajectories, group_size=2, pad_id=0)
     assert batch.response_mask.sum(-1).tolist() == [18, 16, 20, 10]
-    assert batch.memory_tokens_mask.tolist() == [True, False, True, False]
+    assert batch.memory_turns.tolist() == [True, False, True, False]
     return batch
 
 

@@ -49,7 +49,7 @@ def test_turns_memory_budget_and_flattening(tiny_model, tiny_tokenizer):
         5,
         5,
     ]
-    assert batch.memory_tokens_mask.tolist()[:3] == [True, True, False]
+    assert batch.memory_turns.tolist()[:3] == [True, True, False]
     row = 0
     for traj in trajectories:  # token-in/token-out: the batch holds exactly the generated ids
         for turn in traj.turns:
