@@ -37,7 +37,7 @@ from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, parse_memor
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory, Turn
-from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items, record_shown
+from lightning_memrl.workflows.bank import BankWorkflow, Segment, answer_part, parse_items, record_shown
 
 log = logging.getLogger(__name__)
 
@@ -211,23 +211,7 @@ class MemoryR1Workflow(BankWorkflow):
                 manager, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable
             )
             for (slot, segment, fact, sources, shown_ids), turn in zip(jobs, outputs):
-                parsed = parse_memory_operation(turn.text, shown_ids, fact)
-                if not parsed.valid:
-                    counts["invalid"] += 1
-                    turn.reward = -self.format_penalty
-                else:
-                    try:
-                        banks[slot].apply(
-                            parsed.op,
-                            parsed.text,
-                            parsed.target_id,
-                            segment.session.name,
-                            segment.session.date_time,
-                            sources,
-                        )
-                    except MemoryBankError:  # the target was deleted by an earlier fact of this round
-                        counts["stale_target"] += 1
-                counts[parsed.op.value] += 1
+                self.apply_operation(banks[slot], turn, segment, fact, sources, shown_ids, counts)
                 turns[slot].append(turn)
         self.counters.update(counts)
         if trainable:
@@ -243,6 +227,32 @@ class MemoryR1Workflow(BankWorkflow):
             "memory manager (%s) over %d conversations: %s", self.describe(manager), len(conversations), dict(counts)
         )
         return list(zip(banks, turns))
+
+    def apply_operation(
+        self,
+        bank: MemoryBank,
+        turn: Turn,
+        segment: Segment,
+        fact: str,
+        sources: list[str],
+        shown_ids: set[str],
+        counts: Counter[str],
+    ) -> None:
+        """Apply the operation a manager ``turn`` chose for ``fact`` to ``bank``, counted in ``counts``.
+
+        An output that names no usable operation is a NOOP whose turn gets ``-format_penalty``.
+        """
+        parsed = parse_memory_operation(turn.text, shown_ids, fact)
+        if not parsed.valid:
+            counts["invalid"] += 1
+            turn.reward = -self.format_penalty
+        else:
+            session = segment.session
+            try:
+                bank.apply(parsed.op, parsed.text, parsed.target_id, session.name, session.date_time, sources)
+            except MemoryBankError:  # the target was deleted by an earlier fact of this round
+                counts["stale_target"] += 1
+        counts[parsed.op.value] += 1
 
     # ------------------------------------------------------------------ the answer agent
     def answer_is_trained(self) -> bool:
