@@ -120,7 +120,9 @@ class RewardFunction:
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         score = cls.__dict__.get("score")
-        if score is not None and len(inspect.signature(score).parameters) > 2:
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = [] if score is None else inspect.signature(score).parameters.values()
+        if len([p for p in required if p.kind in positional and p.default is p.empty]) > 2:
             raise TypeError(
                 f"{cls.__qualname__}.score takes more than the trajectory: score(self, trajectory) receives the "
                 "Trajectory; rename a score(self, completion, answers) method to score_answer"
