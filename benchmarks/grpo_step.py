@@ -304,7 +304,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     f1 = TokenF1()
 
     def f1_reward(completions: list, answer: list, **_: Any) -> list[float]:
-        return [f1(c[0]["content"], [a]) for c, a in zip(completions, answer)]
+        return [f1.score_answer(c[0]["content"], [a]) for c, a in zip(completions, answer)]
 
     bf16 = args.trl_precision == "bf16"
     total = args.warmup + args.steps

@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_tasks(args: argparse.Namespace, tokenizer: Any, workflow: Any) -> list[Any]:
     """``--tasks`` synthetic tasks whose contexts are exactly ``--chunks`` chunks of ``--chunk_tokens`` tokens."""
     from lightning_memrl import SyntheticTaskConfig, Task, generate_synthetic_tasks
+    from lightning_memrl.workflows.base import split_context
 
     need = args.chunks * args.chunk_tokens
     pieces = args.chunks  # synthetic chunks of 12 filler sentences each, joined and re-cut below
@@ -92,7 +93,7 @@ def build_tasks(args: argparse.Namespace, tokenizer: Any, workflow: Any) -> list
             break
         pieces *= 2
     return [
-        Task(t.question, workflow.split_context(text, tokenizer)[: args.chunks], t.answers, t.id)
+        Task(t.question, split_context(text, tokenizer, workflow.chunk_tokens)[: args.chunks], t.answers, t.id)
         for t, text in zip(tasks, texts)
     ]
 

@@ -86,11 +86,11 @@ class MemoryTokenCredit(MemRLCallback):
                 if turn.trainable:
                     credits[row] = credit
                     row += 1
-        is_memory = rollouts.memory_tokens_mask.unsqueeze(-1)  # [M, 1]
+        is_memory = rollouts.memory_turns.unsqueeze(-1)  # [M, 1]
         mixed = (1 - self.weight) * rollouts.advantages + self.weight * credits.unsqueeze(-1)
         mask = rollouts.response_mask.bool()
         rollouts.advantages = torch.where(is_memory & mask, mixed, rollouts.advantages)
-        batch_credits = credits[rollouts.memory_tokens_mask]
+        batch_credits = credits[rollouts.memory_turns]
         self.credit_sum += float(batch_credits.sum())
         self.credited_turns += batch_credits.numel()
         if batch_credits.numel():  # a batch without memory turns logs nothing

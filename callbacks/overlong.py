@@ -47,9 +47,9 @@ class OverlongPenalty(MemRLCallback):
         lengths = rollouts.response_mask.sum(-1)
         penalty = soft_overlong_penalty(lengths, self.max_length, self.cache_length) * self.weight
         if self.turns == "answer":
-            penalty = penalty * (~rollouts.memory_tokens_mask)
+            penalty = penalty * (~rollouts.memory_turns)
         elif self.turns == "memory":
-            penalty = penalty * rollouts.memory_tokens_mask
+            penalty = penalty * rollouts.memory_turns
         rollouts.turn_rewards += penalty
         self.penalised_turns += int((penalty < 0).sum())
 

@@ -31,7 +31,7 @@ class ConciseMemoryBonus(MemRLCallback):
     def on_rewards(self, trainer: Any, module: Any, rollouts: Any) -> None:
         budget = module.workflow.memory.max_memory_tokens
         lengths = rollouts.response_mask.sum(-1)
-        concise = rollouts.memory_tokens_mask & (lengths < self.fraction * budget)
+        concise = rollouts.memory_turns & (lengths < self.fraction * budget)
         rollouts.turn_rewards += torch.where(concise, self.bonus, 0.0)
         self.rewarded_turns += int(concise.sum())
 

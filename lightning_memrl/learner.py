@@ -365,7 +365,7 @@ def score_trajectories(
     for i, trajectory in enumerate(rollouts.trajectories):
         for fn in reward_functions:
             owner = f"reward function {fn.name!r} ({type(fn).__name__})"
-            value = guards.reward_value(fn(trajectory.final_text, trajectory.task.answers), owner)
+            value = guards.reward_value(fn(trajectory), owner)
             if value is None:
                 continue
             weighted = fn.weight * value

@@ -1,15 +1,20 @@
 """Answer extraction, SQuAD-style scoring and the reward functions chosen in YAML.
 
-A reward function is a callable ``(completion, answers) -> float | None`` with a ``name`` and a
-``weight``. ``None`` means "cannot score this one"; a trajectory that every function leaves
-unscored gets a NaN reward, which the advantage leaves out of its group's baseline.
+A reward function is a callable ``(trajectory) -> float | None`` with a ``name`` and a ``weight``:
+it sees the whole :class:`~lightning_memrl.types.Trajectory` (task, turns, memories, chunks, info),
+and one that only judges the final answer implements :meth:`RewardFunction.score_answer`
+``(completion, answers)``. ``None`` means "cannot score this one"; a trajectory that every function
+leaves unscored gets a NaN reward, which the advantage leaves out of its group's baseline.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import string
 from collections import Counter
+
+from lightning_memrl.types import Trajectory
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCT = set(string.punctuation)
@@ -97,7 +102,11 @@ def check_answer_pattern(answer_pattern: str | None, option: str) -> None:
 
 
 class RewardFunction:
-    """Base of reward functions; subclass and implement :meth:`score`.
+    r"""Base of reward functions: override :meth:`score` (reads the trajectory) or :meth:`score_answer`.
+
+    :meth:`score` receives the :class:`~lightning_memrl.types.Trajectory` (its task, turns,
+    memories, chunks and info); by default it scores the final turn's text against the task's gold
+    answers with :meth:`score_answer`, which answer-only rewards implement.
 
     Args:
         weight: multiplies the score before the weighted sum over reward functions.
@@ -107,6 +116,17 @@ class RewardFunction:
     """
 
     default_name = "reward"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        score = cls.__dict__.get("score")
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = [] if score is None else inspect.signature(score).parameters.values()
+        if len([p for p in required if p.kind in positional and p.default is p.empty]) > 2:
+            raise TypeError(
+                f"{cls.__qualname__}.score takes more than the trajectory: score(self, trajectory) receives the "
+                "Trajectory; rename a score(self, completion, answers) method to score_answer"
+            )
 
     def __init__(self, weight: float = 1.0, name: str | None = None, answer_pattern: str | None = None) -> None:
         self.weight = weight
@@ -118,12 +138,18 @@ class RewardFunction:
         """The answer this function scores (:func:`answer_from_completion` with its pattern)."""
         return answer_from_completion(completion, self.answer_pattern)
 
-    def score(self, completion: str, answers: list[str]) -> float | None:
-        """Score one final completion against its gold answers."""
-        raise NotImplementedError
+    def score(self, trajectory: Trajectory) -> float | None:
+        """Score one trajectory (default: :meth:`score_answer` of its final text and gold answers)."""
+        return self.score_answer(trajectory.final_text, trajectory.task.answers)
 
-    def __call__(self, completion: str, answers: list[str]) -> float | None:
-        return self.score(completion, answers)
+    def score_answer(self, completion: str, answers: list[str]) -> float | None:
+        """Score one final completion against its gold answers."""
+        raise NotImplementedError(
+            f"{type(self).__name__}: implement score(trajectory) or score_answer(completion, answers)"
+        )
+
+    def __call__(self, trajectory: Trajectory) -> float | None:
+        return self.score(trajectory)
 
 
 class ExactMatch(RewardFunction):
@@ -148,7 +174,7 @@ class ExactMatch(RewardFunction):
         super().__init__(weight, name, answer_pattern)
         self.require_boxed = require_boxed
 
-    def score(self, completion: str, answers: list[str]) -> float | None:
+    def score_answer(self, completion: str, answers: list[str]) -> float | None:
         if self.require_boxed and extract_boxed(completion) is None:
             return 0.0
         return exact_match(self.answer(completion), answers)
@@ -159,7 +185,7 @@ class SubExactMatch(RewardFunction):
 
     default_name = "sub_em"
 
-    def score(self, completion: str, answers: list[str]) -> float | None:
+    def score_answer(self, completion: str, answers: list[str]) -> float | None:
         return sub_exact_match(self.answer(completion), answers)
 
 
@@ -168,7 +194,7 @@ class TokenF1(RewardFunction):
 
     default_name = "f1"
 
-    def score(self, completion: str, answers: list[str]) -> float | None:
+    def score_answer(self, completion: str, answers: list[str]) -> float | None:
         return token_f1(self.answer(completion), answers)
 
 
@@ -177,6 +203,6 @@ class BoxedFormat(RewardFunction):
 
     default_name = "format"
 
-    def score(self, completion: str, answers: list[str]) -> float | None:
+    def score_answer(self, completion: str, answers: list[str]) -> float | None:
         boxed = extract_boxed(completion)
         return float(boxed is not None and bool(boxed) and completion.count("\\boxed{") == 1)

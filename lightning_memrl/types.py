@@ -84,7 +84,7 @@ class RolloutBatch:
     response_mask: Tensor  # [M, T] 1 on generated tokens
     rollout_logprobs: Tensor  # [M, T] sampling log-probs from the engine
     turn_to_trajectory: Tensor  # [M] long
-    memory_tokens_mask: Tensor  # [M] bool: turn writes memory (else it answers)
+    memory_turns: Tensor  # [M] bool, one flag per turn: True where the turn writes memory (kind MEMORY_TURN)
     truncated: Tensor  # [M] bool
     rewards: Tensor = field(default_factory=lambda: torch.empty(0))  # [N]
     reward_components: dict[str, Tensor] = field(default_factory=dict)  # name -> [N]
@@ -114,7 +114,7 @@ class RolloutBatch:
             response_mask=response_mask,
             rollout_logprobs=logprobs,
             turn_to_trajectory=torch.tensor([i for i, _ in turns], dtype=torch.long),
-            memory_tokens_mask=torch.tensor([t.kind == MEMORY_TURN for _, t in turns], dtype=torch.bool),
+            memory_turns=torch.tensor([t.kind == MEMORY_TURN for _, t in turns], dtype=torch.bool),
             truncated=torch.tensor([t.generation.truncated for _, t in turns], dtype=torch.bool),
             turn_rewards=torch.tensor([float(t.reward) for _, t in turns]),
         )
@@ -136,7 +136,7 @@ class RolloutBatch:
             response_mask=torch.ones((1, 1), dtype=torch.long),
             rollout_logprobs=torch.zeros((1, 1)),
             turn_to_trajectory=torch.zeros(1, dtype=torch.long),
-            memory_tokens_mask=torch.zeros(1, dtype=torch.bool),
+            memory_turns=torch.zeros(1, dtype=torch.bool),
             truncated=torch.zeros(1, dtype=torch.bool),
             turn_rewards=torch.zeros(1),
             advantages=torch.zeros((1, 1)),

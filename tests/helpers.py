@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import lightning as L
+import torch
 
 from lightning_memrl.rewards import RewardFunction
+from lightning_memrl.types import ANSWER_TURN, Generation, Task, Trajectory, Turn
 
 
 class AnswerLength(RewardFunction):
@@ -12,8 +14,15 @@ class AnswerLength(RewardFunction):
 
     default_name = "answer_length"
 
-    def score(self, completion: str, answers: list[str]) -> float:
+    def score_answer(self, completion: str, answers: list[str]) -> float:
         return len(completion) / 10
+
+
+def answered(completion: str, answers: list[str], memories: list[str] | None = None) -> Trajectory:
+    """A trajectory whose answer turn says ``completion`` to a task with gold ``answers``."""
+    gen = Generation(token_ids=[1], logprobs=torch.zeros(1), truncated=False)
+    task = Task(question="q", context=["c"], answers=answers)
+    return Trajectory(task=task, turns=[Turn(ANSWER_TURN, [2], gen, completion)], memories=list(memories or []))
 
 
 def quiet_trainer(tmp_path, steps: int = 2, callbacks=()) -> L.Trainer:

@@ -1,6 +1,7 @@
 """Answer extraction by a regular expression, in rewards and in validation."""
 
 import pytest
+from helpers import answered
 
 from lightning_memrl import MemRLModule
 from lightning_memrl.rewards import ExactMatch, SubExactMatch, TokenF1, answer_from_completion
@@ -18,12 +19,12 @@ def test_pattern_takes_the_first_match() -> None:
 
 def test_rewards_score_the_extracted_answer() -> None:
     completion = "The secret code of Ana is 4821."
-    assert ExactMatch()(completion, ["4821"]) == 0.0
-    assert ExactMatch(answer_pattern=CODE)(completion, ["4821"]) == 1.0
-    assert ExactMatch(answer_pattern=CODE)("Ana has 1234, Bo 4821", ["4821"]) == 0.0  # first match only
-    assert ExactMatch(require_boxed=True, answer_pattern=CODE)(completion, ["4821"]) == 0.0
-    assert SubExactMatch(answer_pattern=CODE)("nothing", ["4821"]) == 0.0
-    assert TokenF1(answer_pattern=CODE)(completion, ["4821"]) == 1.0
+    assert ExactMatch()(answered(completion, ["4821"])) == 0.0
+    assert ExactMatch(answer_pattern=CODE)(answered(completion, ["4821"])) == 1.0
+    assert ExactMatch(answer_pattern=CODE)(answered("Ana has 1234, Bo 4821", ["4821"])) == 0.0  # first match only
+    assert ExactMatch(require_boxed=True, answer_pattern=CODE)(answered(completion, ["4821"])) == 0.0
+    assert SubExactMatch(answer_pattern=CODE)(answered("nothing", ["4821"])) == 0.0
+    assert TokenF1(answer_pattern=CODE)(answered(completion, ["4821"])) == 1.0
 
 
 def test_bad_pattern_names_the_option() -> None:

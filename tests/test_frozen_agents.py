@@ -32,7 +32,7 @@ class NoisyReward(RewardFunction):
         super().__init__()
         self.rng = random.Random(0)
 
-    def score(self, completion: str, answers: list[str]) -> float:
+    def score_answer(self, completion: str, answers: list[str]) -> float:
         return self.rng.random()
 
 

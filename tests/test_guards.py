@@ -35,7 +35,7 @@ class Scripted(RewardFunction):
         super().__init__(name=name)
         self.values, self.calls = values, 0
 
-    def score(self, completion: str, answers: list[str]):
+    def score_answer(self, completion: str, answers: list[str]):
         value = self.values[self.calls % len(self.values)]
         self.calls += 1
         return value

@@ -12,7 +12,7 @@ from scripted_engine import ScriptedEngine
 from lightning_memrl.data.locomo import load_locomo
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch
-from lightning_memrl.workflows.bank import parse_items, split_segments
+from lightning_memrl.workflows.bank import BankWorkflow, parse_items, record_shown, split_segments
 from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
 
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
@@ -63,7 +63,7 @@ def test_manager_stage_trains_manager_turns_against_a_frozen_answerer(tasks, tin
     batch = RolloutBatch.from_trajectories(trajectories, group_size=2, pad_id=engine.pad_id)
     assert batch.response_ids.shape[0] == 6  # manager turns only: the frozen answer carries no loss
     torch.testing.assert_close(batch.turn_rewards, torch.tensor([0.0, -0.1, 0.0] * 2))
-    assert batch.memory_tokens_mask.all()
+    assert batch.memory_turns.all()
     loss, metrics = workflow.auxiliary_loss(batch)
     assert loss is None and metrics["manager/invalid_frac"] == pytest.approx(1 / 3)
     assert metrics["manager/add_frac"] == pytest.approx(2 / 3)
@@ -139,3 +139,39 @@ def test_bad_settings_are_named():
         MemoryR1Workflow(stage="both")
     with pytest.raises(ValueError, match=r"manage_template lacks the placeholders \['\{fact\}'\]"):
         MemoryR1Workflow(manage_template="{memories}")
+
+
+class _WholeSessions(BankWorkflow):
+    """A bank workflow written against the hooks only: one entry per session, every entry shown."""
+
+    def __init__(self) -> None:
+        super().__init__("{memories}\nQ: {question} ({speaker_a}, {speaker_b})", turns_per_segment=0)
+
+    def build_banks(self, engine, conversations, settings, trainable):
+        banks = []
+        for conversation in conversations:
+            bank = self.new_bank()
+            for segment in self.segments(conversation):
+                bank.add(segment.text, segment.session.name, segment.session.date_time, segment.source_ids)
+            banks.append((bank, []))
+        return banks
+
+    def answer_is_trained(self) -> bool:
+        return True
+
+    def show_memories(self, trajectories, banks, training):
+        for trajectory, bank in zip(trajectories, banks):
+            record_shown(trajectory, bank.entries)
+        return [bank.format(bank.entries) for bank in banks]
+
+
+def test_a_bank_workflow_needs_only_its_banks_and_what_it_shows(tasks, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, lambda prompt: "I think so. Answer: \\boxed{Miso}")
+    (trajectory,) = _WholeSessions().rollout(engine, tasks[:1], SAMPLED)
+    (turn,) = trajectory.turns
+    assert (turn.kind, turn.trainable, turn.text) == (ANSWER_TURN, True, "\\boxed{Miso}")  # after "Answer:"
+    assert trajectory.info["answer_raw"] == "I think so. Answer: \\boxed{Miso}"
+    assert trajectory.info["shown_ids"] == ["m0", "m1", "m2"]  # one entry per session
+    assert trajectory.info["shown_source_ids"] == ["D1:1", "D1:2", "D2:1", "D2:2", "D3:1"]
+    prompt, temperature = engine.calls[-1]
+    assert "Q: What is the name of Ana's cat? (Ana, Ben)" in prompt and "Rosa" in prompt and temperature == 1.0

@@ -39,7 +39,7 @@ import lightning_memrl.callbacks as cb
 from lightning_memrl.callbacks.overlong import soft_overlong_penalty
 
 mask = torch.tensor([[1] * n + [0] * (12 - n) for n in (4, 8, 12)])
-rollouts = SimpleNamespace(response_mask=mask, memory_tokens_mask=torch.zeros(3, dtype=torch.bool),
+rollouts = SimpleNamespace(response_mask=mask, memory_turns=torch.zeros(3, dtype=torch.bool),
                            turn_rewards=torch.zeros(3))
 penalty = cb.OverlongPenalty(max_length=10, cache_length=4)
 penalty.on_rewards(None, None, rollouts)

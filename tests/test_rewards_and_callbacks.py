@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import answered
 
 from lightning_memrl.callbacks.memory_credit import MemoryTokenCredit, memory_write_credits
 from lightning_memrl.callbacks.overlong import OverlongPenalty, soft_overlong_penalty
@@ -117,50 +118,63 @@ def test_token_f1_empty_sides() -> None:
 def test_exact_match_reward() -> None:
     fn = ExactMatch()
     assert (fn.name, fn.weight) == ("exact_match", 1.0)
-    assert fn(r"The answer is \boxed{Paris}.", ["paris"]) == 1.0
-    assert fn(r"\boxed{Lyon}", ["paris"]) == 0.0
-    assert fn("Paris", ["paris"]) == 1.0  # no box: the whole completion
+    assert fn(answered(r"The answer is \boxed{Paris}.", ["paris"])) == 1.0
+    assert fn(answered(r"\boxed{Lyon}", ["paris"])) == 0.0
+    assert fn(answered("Paris", ["paris"])) == 1.0  # no box: the whole completion
     # the boxed answer is compared, not the whole text
-    assert fn(r"Paris? No: \boxed{Lyon}", ["paris"]) == 0.0
+    assert fn(answered(r"Paris? No: \boxed{Lyon}", ["paris"])) == 0.0
 
 
 def test_exact_match_require_boxed() -> None:
     fn = ExactMatch(require_boxed=True, weight=2.0, name="em")
     assert (fn.name, fn.weight, fn.require_boxed) == ("em", 2.0, True)
-    assert fn("Paris", ["paris"]) == 0.0
-    assert fn(r"\boxed{paris}", ["Paris"]) == 1.0
+    assert fn(answered("Paris", ["paris"])) == 0.0
+    assert fn(answered(r"\boxed{paris}", ["Paris"])) == 1.0
 
 
 def test_sub_exact_match_reward() -> None:
     fn = SubExactMatch(weight=0.5)
     assert (fn.name, fn.weight) == ("sub_em", 0.5)
-    assert fn(r"\boxed{Paris, France}", ["paris"]) == 1.0
-    assert fn(r"Paris was mentioned, but \boxed{Lyon}", ["paris"]) == 0.0
+    assert fn(answered(r"\boxed{Paris, France}", ["paris"])) == 1.0
+    assert fn(answered(r"Paris was mentioned, but \boxed{Lyon}", ["paris"])) == 0.0
 
 
 def test_token_f1_reward() -> None:
     fn = TokenF1()
     assert (fn.name, fn.weight) == ("f1", 1.0)
-    assert fn(r"so \boxed{the cat sat on mat}", ["a cat on the mat"]) == pytest.approx(6 / 7)
+    assert fn(answered(r"so \boxed{the cat sat on mat}", ["a cat on the mat"])) == pytest.approx(6 / 7)
 
 
 def test_boxed_format_reward() -> None:
     fn = BoxedFormat(name="fmt")
     assert (fn.name, fn.weight) == ("fmt", 1.0)
     assert BoxedFormat().name == "format"
-    assert fn(r"answer: \boxed{x}", []) == 1.0
-    assert fn("no box", []) == 0.0
-    assert fn(r"\boxed{}", []) == 0.0
-    assert fn(r"\boxed{ }", []) == 0.0  # blank after stripping
-    assert fn(r"\boxed{x} \boxed{y}", []) == 0.0  # two boxes
-    assert fn(r"\boxed{x", []) == 0.0  # unclosed
+    assert fn(answered(r"answer: \boxed{x}", [])) == 1.0
+    assert fn(answered("no box", [])) == 0.0
+    assert fn(answered(r"\boxed{}", [])) == 0.0
+    assert fn(answered(r"\boxed{ }", [])) == 0.0  # blank after stripping
+    assert fn(answered(r"\boxed{x} \boxed{y}", [])) == 0.0  # two boxes
+    assert fn(answered(r"\boxed{x", [])) == 0.0  # unclosed
 
 
 def test_reward_function_base_is_abstract() -> None:
     fn = RewardFunction()
     assert fn.name == "reward"
     with pytest.raises(NotImplementedError):
-        fn("x", ["x"])
+        fn(answered("x", ["x"]))
+
+
+def test_reward_sees_the_trajectory_and_old_signature_is_named() -> None:
+    class LastMemoryLength(RewardFunction):
+        def score(self, trajectory: Trajectory) -> float:
+            return float(len(trajectory.memories[-1]))
+
+    assert LastMemoryLength()(answered("x", ["x"], memories=["ab", "abcd"])) == 4.0
+    with pytest.raises(TypeError, match=r"Old.score takes more than the trajectory: .* rename .* to score_answer"):
+
+        class Old(RewardFunction):
+            def score(self, completion: str, answers: list[str]) -> float:
+                return 0.0
 
 
 # --------------------------------------------------------------------------- helpers for batches
@@ -202,7 +216,7 @@ def overlong_batch() -> RolloutBatch:
     ]
     batch = RolloutBatch.from_trajectories(trajectories, group_size=2, pad_id=0)
     assert batch.response_mask.sum(-1).tolist() == [18, 16, 20, 10]
-    assert batch.memory_tokens_mask.tolist() == [True, False, True, False]
+    assert batch.memory_turns.tolist() == [True, False, True, False]
     return batch
 
 

@@ -34,7 +34,7 @@ class TurnRewards(MemRLCallback):
 
     def on_rewards(self, trainer, module, rollouts):
         lengths = rollouts.response_mask.sum(-1)
-        self.steps.append((rollouts.turn_rewards.clone(), lengths, rollouts.memory_tokens_mask.clone()))
+        self.steps.append((rollouts.turn_rewards.clone(), lengths, rollouts.memory_turns.clone()))
 
 
 def test_tiny_config_overlong_penalty_fires_by_the_hand_computed_amount(tmp_path):

@@ -9,6 +9,7 @@ from lightning_memrl.memory.text import TextMemoryStore
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Task
+from lightning_memrl.workflows.base import split_context
 from lightning_memrl.workflows.memagent import MemAgentWorkflow
 
 
@@ -49,7 +50,7 @@ def test_turns_memory_budget_and_flattening(tiny_model, tiny_tokenizer):
         5,
         5,
     ]
-    assert batch.memory_tokens_mask.tolist()[:3] == [True, True, False]
+    assert batch.memory_turns.tolist()[:3] == [True, True, False]
     row = 0
     for traj in trajectories:  # token-in/token-out: the batch holds exactly the generated ids
         for turn in traj.turns:
@@ -62,7 +63,7 @@ def test_turns_memory_budget_and_flattening(tiny_model, tiny_tokenizer):
 def test_long_text_is_cut_into_chunks(tiny_tokenizer):
     workflow = MemAgentWorkflow(chunk_tokens=8)
     text = " ".join(["The bridge over the canal was painted blue."] * 4)
-    chunks = workflow.split_context(text, tiny_tokenizer)
+    chunks = split_context(text, tiny_tokenizer, workflow.chunk_tokens)
     n_tokens = len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
     assert len(chunks) == -(-n_tokens // 8)
     assert "".join(chunks) == text

@@ -115,7 +115,7 @@ def step_metrics(
     valid = rewards[~torch.isnan(rewards)]
     zero_std = _zero_std_groups(rewards, rollouts.group_size)
     lengths = rollouts.response_mask.sum(-1).float()
-    is_mem = rollouts.memory_tokens_mask
+    is_mem = rollouts.memory_turns
     tokens = float(lengths.sum())
     metrics = {
         "train/reward": float(valid.mean()) if valid.numel() else math.nan,

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_memrl.data.locomo import Conversation, DialogTurn, Session
-from lightning_memrl.errors import DataError
+from lightning_memrl.errors import DataError, check_placeholders
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import evidence_recall
-from lightning_memrl.memory.bank import MemoryBank
+from lightning_memrl.memory.bank import MemoryBank, MemoryEntry
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.frozen import engine_description
 from lightning_memrl.settings import GenerationSettings
-from lightning_memrl.types import Task, Trajectory, Turn
+from lightning_memrl.types import ANSWER_TURN, Task, Trajectory, Turn
 from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
 
 log = logging.getLogger(__name__)
@@ -106,12 +106,21 @@ def conversation_of(task: Task) -> Conversation:
     return conversation
 
 
+def record_shown(trajectory: Trajectory, shown: list[MemoryEntry]) -> None:
+    """Note in ``trajectory.info`` the ids of the entries shown to its answerer and the dialogue turns they cite."""
+    trajectory.info["shown_ids"] = [e.id for e in shown]
+    trajectory.info["shown_source_ids"] = sorted({s for e in shown for s in e.source_ids})
+
+
 class BankWorkflow(Workflow):
     """Base of workflows that build a memory bank per conversation and answer from it.
 
-    Subclasses implement :meth:`build_banks` (write the bank) and :meth:`answer` (the last turn).
+    Subclasses implement :meth:`build_banks` (write the bank), :meth:`show_memories` (what the
+    answerer sees) and :meth:`answer_is_trained`, and may override :meth:`read_answer`.
 
     Args:
+        answer_template: prompt of the answer turn, with ``{memories}``, ``{question}``,
+            ``{speaker_a}``, ``{speaker_b}``.
         retriever: ``bm25`` or ``dense`` retrieval of the banks.
         turns_per_segment: dialogue turns per memory-writing call (0: a whole session).
         max_batch: most prompts per ``generate`` call.
@@ -121,12 +130,14 @@ class BankWorkflow(Workflow):
 
     def __init__(
         self,
+        answer_template: str,
         retriever: str = "bm25",
         turns_per_segment: int = 8,
         max_batch: int = 32,
         system_prompt: str | None = None,
         judge: LLMJudge | None = None,
     ) -> None:
+        check_placeholders(("answer_template", answer_template, ("{memories}", "{question}")))
         if turns_per_segment < 0 or max_batch < 1:
             raise ValueError("workflow turns_per_segment must be >= 0 and max_batch >= 1")
         self.retriever = retriever
@@ -135,6 +146,7 @@ class BankWorkflow(Workflow):
         self.max_batch = max_batch
         self.system_prompt = system_prompt
         self.judge = judge
+        self.answer_template = answer_template
         self._bank_cache: dict[str, MemoryBank] = {}  # conversation id -> greedily built bank
         self.counters: Counter[str] = Counter()  # lifetime counts (ops, invalid outputs, ...)
 
@@ -180,7 +192,7 @@ class BankWorkflow(Workflow):
             raise RuntimeError(
                 f"{type(self).__name__} has frozen agents but no frozen_engine: MemRLModule sets it in "
                 "configure_model; when calling rollout yourself set workflow.frozen_engine to a "
-                "RolloutEngine over a model that does not train"
+                "RolloutBackend over a model that does not train"
             )
         return engine  # nothing trains the policy: it is the fixed model
 
@@ -214,15 +226,20 @@ class BankWorkflow(Workflow):
         """One bank per entry of ``conversations`` with the turns that wrote it."""
         raise NotImplementedError
 
-    def answer(
-        self,
-        engine: RolloutBackend,
-        trajectories: list[Trajectory],
-        banks: list[MemoryBank],
-        settings: GenerationSettings,
-    ) -> None:
-        """Append the answer turn of every trajectory (and fill ``info``)."""
+    def answer_is_trained(self) -> bool:
+        """True when the answer turns are trained (the policy answers with sampling during training)."""
         raise NotImplementedError
+
+    def show_memories(self, trajectories: list[Trajectory], banks: list[MemoryBank], training: bool) -> list[str]:
+        """The memories each answer prompt shows, rendered (record them with :func:`record_shown`)."""
+        raise NotImplementedError
+
+    def read_answer(self, trajectory: Trajectory, response: str) -> str:
+        """What the rewards score of a raw answer ``response`` (here: what follows its last ``Answer:``).
+
+        Overrides may read more of the response (cited memories) into ``trajectory.info``.
+        """
+        return answer_part(response)
 
     def banks_are_frozen(self) -> bool:
         """True when no bank-writing turn is trained (banks are then built once and cached)."""
@@ -251,6 +268,39 @@ class BankWorkflow(Workflow):
             trajectory.info["bank_size"] = len(bank)
         self.answer(engine, trajectories, banks, settings)
         return trajectories
+
+    def answer(
+        self,
+        engine: RolloutBackend,
+        trajectories: list[Trajectory],
+        banks: list[MemoryBank],
+        settings: GenerationSettings,
+    ) -> None:
+        """Append the answer turn of every trajectory (its raw response kept in ``info["answer_raw"]``).
+
+        The prompt (``answer_template``) shows :meth:`show_memories`; the answerer is the policy
+        when :meth:`answer_is_trained`, else the frozen model, which answers greedily in training rollouts too.
+        """
+        training = settings.temperature > 0
+        texts = []
+        for trajectory, memories in zip(trajectories, self.show_memories(trajectories, banks, training)):
+            conversation = conversation_of(trajectory.task)
+            texts.append(
+                self.answer_template.format(
+                    memories=memories,
+                    question=trajectory.task.question,
+                    speaker_a=conversation.speaker_a,
+                    speaker_b=conversation.speaker_b,
+                )
+            )
+        trainable = self.answer_is_trained()
+        gen_settings = settings if trainable or not training else self.greedy(settings)
+        answerer = self.engine_for(engine, trainable)  # not trained: the frozen model, never the policy
+        turns = self.generate_turns(answerer, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
+        for trajectory, turn in zip(trajectories, turns):
+            trajectory.info["answer_raw"] = turn.text
+            turn.text = self.read_answer(trajectory, turn.text)
+            trajectory.turns.append(turn)
 
     # ------------------------------------------------------------------ evaluation and state
     def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:

@@ -2,11 +2,14 @@
 
 Each turn is one batched ``generate`` over all conversations that are still running. Paradigms
 (MemAgent's overwritten text memory, a memory bank with operations, retrieval) subclass
-:class:`Workflow`.
+:class:`Workflow`. A workflow that reads a context chunk by chunk builds on :func:`chunked_trajectories`
+(the chunks each trajectory reads), :func:`generate_in_lockstep` (one turn of every running
+trajectory, group members sharing their prompt prefix) and :func:`append_answer_turns`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,7 +17,9 @@ from torch import Tensor
 
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
-from lightning_memrl.types import RolloutBatch, Task, Trajectory
+from lightning_memrl.types import ANSWER_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
+
+log = logging.getLogger(__name__)
 
 
 def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
@@ -24,6 +29,67 @@ def encode_chat_prompt(text: str, tokenizer: Any, system_prompt: str | None = No
         messages.append({"role": "user", "content": text})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def split_context(context: list[str] | str, tokenizer: Any, chunk_tokens: int) -> list[str]:
+    """A chunk list as is (blank chunks left out); one text cut into windows of ``chunk_tokens`` tokens."""
+    if isinstance(context, list):
+        return [c for c in context if c.strip()]
+    ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    return [tokenizer.decode(ids[i : i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
+
+
+def chunked_trajectories(
+    tasks: list[Task], tokenizer: Any, chunk_tokens: int, max_chunks: int | None = None
+) -> list[Trajectory]:
+    """One empty trajectory per task holding the chunks it will read (:func:`split_context`).
+
+    Group members share their ``Task`` object, which is chunked once. Chunks beyond ``max_chunks``
+    (None: no limit) are dropped, counted in ``Trajectory.chunks_dropped`` and logged.
+    """
+    chunk_cache: dict[int, list[str]] = {}
+    trajectories = []
+    for task in tasks:
+        if id(task) not in chunk_cache:
+            chunk_cache[id(task)] = split_context(task.context, tokenizer, chunk_tokens)
+        chunks = chunk_cache[id(task)]
+        kept = chunks[:max_chunks] if max_chunks else chunks
+        trajectories.append(Trajectory(task=task, chunks=kept, chunks_dropped=len(chunks) - len(kept)))
+    dropped = sum(t.chunks_dropped for t in trajectories)
+    if dropped:
+        log.warning("max_chunks=%s: dropped %d chunks across %d trajectories", max_chunks, dropped, len(tasks))
+    return trajectories
+
+
+def generate_in_lockstep(
+    engine: RolloutBackend,
+    trajectories: list[Trajectory],
+    prompts: list[list[int]],
+    settings: GenerationSettings,
+    max_new_tokens: int | None = None,
+) -> list[Generation]:
+    """One batched ``generate``: ``prompts[i]`` continues ``trajectories[i]``.
+
+    Group members (the same ``Task`` object) share a prefix label, so the prompt prefix they share
+    (problem, chunk) is prefilled once; a too-long prompt is reported with its task id.
+    """
+    return engine.generate(
+        prompts,
+        settings,
+        max_new_tokens=max_new_tokens,
+        prefix_labels=[id(t.task) for t in trajectories],
+        task_ids=[t.task.id for t in trajectories],
+    )
+
+
+def append_answer_turns(
+    engine: RolloutBackend, trajectories: list[Trajectory], prompts: list[list[int]], settings: GenerationSettings
+) -> None:
+    """Generate every trajectory's answer to its prompt and append it as its last turn (``ANSWER_TURN``)."""
+    generations = generate_in_lockstep(engine, trajectories, prompts, settings)
+    for trajectory, prompt, gen in zip(trajectories, prompts, generations):
+        text = engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        trajectory.turns.append(Turn(ANSWER_TURN, prompt, gen, text))
 
 
 class Workflow:

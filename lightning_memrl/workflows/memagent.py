@@ -3,17 +3,20 @@ each chunk, and answer from the memory alone."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from lightning_memrl.errors import check_option, check_placeholders
 from lightning_memrl.memory.text import TextMemoryStore
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
-from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Task, Trajectory, Turn
-from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
-
-log = logging.getLogger(__name__)
+from lightning_memrl.types import MEMORY_TURN, Task, Trajectory, Turn
+from lightning_memrl.workflows.base import (
+    Workflow,
+    append_answer_turns,
+    chunked_trajectories,
+    encode_chat_prompt,
+    generate_in_lockstep,
+)
 
 DEFAULT_MEMORY_TEMPLATE = (
     "You read a long document one section at a time and keep notes for a question.\n"
@@ -71,33 +74,17 @@ class MemAgentWorkflow(Workflow):
         self.answer_template = answer_template
         self.system_prompt = system_prompt
 
-    def split_context(self, context: list[str] | str, tokenizer: Any) -> list[str]:
-        """A chunk list as is; one text cut into windows of ``chunk_tokens`` tokens."""
-        if isinstance(context, list):
-            return [c for c in context if c.strip()]
-        ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        return [tokenizer.decode(ids[i : i + self.chunk_tokens]) for i in range(0, len(ids), self.chunk_tokens)]
-
     def encode_prompt(self, text: str, tokenizer: Any) -> list[int]:
         """Prompt ids of one user message (through the chat template when there is one)."""
         return encode_chat_prompt(text, tokenizer, self.system_prompt)
 
     def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         tokenizer = engine.tokenizer
-        chunk_cache: dict[int, list[str]] = {}
-        trajectories = []
-        for task in tasks:  # group members share the Task object: chunk it once
-            if id(task) not in chunk_cache:
-                chunk_cache[id(task)] = self.split_context(task.context, tokenizer)
-            chunks = chunk_cache[id(task)]
-            kept = chunks[: self.max_chunks] if self.max_chunks else chunks
-            trajectories.append(Trajectory(task=task, chunks=kept, chunks_dropped=len(chunks) - len(kept)))
-        dropped = sum(t.chunks_dropped for t in trajectories)
-        if dropped:
-            log.warning("max_chunks=%s: dropped %d chunks across %d trajectories", self.max_chunks, dropped, len(tasks))
+        trajectories = chunked_trajectories(tasks, tokenizer, self.chunk_tokens, self.max_chunks)
         self.memory.reset(len(trajectories))
         for k in range(max(len(t.chunks) for t in trajectories)):
             active = [i for i, t in enumerate(trajectories) if k < len(t.chunks)]
+            running = [trajectories[i] for i in active]
             prompts = [
                 self.encode_prompt(
                     self.memory_template.format(
@@ -109,13 +96,7 @@ class MemAgentWorkflow(Workflow):
                 )
                 for i in active
             ]
-            generations = engine.generate(  # group members share the problem and chunk: one prefill
-                prompts,
-                settings,
-                max_new_tokens=self.memory.max_memory_tokens,
-                prefix_labels=[id(trajectories[i].task) for i in active],
-                task_ids=[trajectories[i].task.id for i in active],
-            )
+            generations = generate_in_lockstep(engine, running, prompts, settings, self.memory.max_memory_tokens)
             for i, prompt, gen in zip(active, prompts, generations):
                 text = self.memory.write(i, gen.token_ids, tokenizer)
                 trajectories[i].turns.append(Turn(MEMORY_TURN, prompt, gen, text))
@@ -126,10 +107,7 @@ class MemAgentWorkflow(Workflow):
             )
             for i, t in enumerate(trajectories)
         ]
-        labels, ids = [id(t.task) for t in trajectories], [t.task.id for t in trajectories]
-        answers = engine.generate(prompts, settings, prefix_labels=labels, task_ids=ids)
-        for traj, prompt, gen in zip(trajectories, prompts, answers):
-            traj.turns.append(Turn(ANSWER_TURN, prompt, gen, tokenizer.decode(gen.token_ids, skip_special_tokens=True)))
+        append_answer_turns(engine, trajectories, prompts, settings)
         return trajectories
 
     def max_response_tokens(self, settings: GenerationSettings) -> int:

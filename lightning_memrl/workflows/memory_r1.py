@@ -1,4 +1,5 @@
-"""Memory-R1: a fact extractor, a memory manager (one ADD/UPDATE/DELETE/NOOP per fact), an answer agent.
+"""Memory-R1 (arXiv:2508.19828): a fact extractor, a memory manager (one ADD/UPDATE/DELETE/NOOP per fact),
+an answer agent.
 
 For every segment of a conversation the extractor lists facts; for each fact the manager sees the
 memories retrieved for it and picks one operation, which is applied to the bank. The answer agent
@@ -32,12 +33,11 @@ from torch import Tensor
 
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
-from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
-from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
-from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items
+from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory, Turn
+from lightning_memrl.workflows.bank import BankWorkflow, Segment, answer_part, parse_items, record_shown
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,6 @@ class MemoryR1Workflow(BankWorkflow):
     Args:
         stage: ``manager`` (train the memory manager against a frozen answer agent) or
             ``answerer`` (train the answer agent on frozen banks).
-        retriever: ``bm25`` or ``dense`` retrieval of the bank.
-        turns_per_segment: dialogue turns the extractor reads per call (0: a whole session).
         max_facts: facts kept per segment.
         manager_top_k: memories retrieved for each fact and shown to the manager.
         answer_top_k: memories retrieved for the question and shown to the answer agent.
@@ -88,17 +86,14 @@ class MemoryR1Workflow(BankWorkflow):
         train_extractor: also train the extraction turns (stage ``manager`` only).
         extract_template: prompt with ``{date}``, ``{dialogue}``, ``{max_facts}``.
         manage_template: prompt with ``{memories}``, ``{fact}``, ``{date}``.
-        answer_template: prompt with ``{memories}``, ``{question}``, ``{speaker_a}``, ``{speaker_b}``.
-        max_batch: most prompts per ``generate`` call.
-        system_prompt: optional system message of every turn.
-        judge: optional LLM judge of validation answers.
+        answer_template: prompt of the answer agent (see :class:`BankWorkflow`).
+        **kwargs: ``retriever``, ``turns_per_segment`` (dialogue turns the extractor reads per call,
+            default 8), ``max_batch``, ``system_prompt``, ``judge`` of :class:`BankWorkflow`.
     """
 
     def __init__(
         self,
         stage: str = "manager",
-        retriever: str = "bm25",
-        turns_per_segment: int = 8,
         max_facts: int = 4,
         manager_top_k: int = 5,
         answer_top_k: int = 10,
@@ -109,11 +104,9 @@ class MemoryR1Workflow(BankWorkflow):
         extract_template: str = DEFAULT_EXTRACT_TEMPLATE,
         manage_template: str = DEFAULT_MANAGE_TEMPLATE,
         answer_template: str = DEFAULT_ANSWER_TEMPLATE,
-        max_batch: int = 32,
-        system_prompt: str | None = None,
-        judge: LLMJudge | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(retriever, turns_per_segment, max_batch, system_prompt, judge)
+        super().__init__(answer_template, **kwargs)
         if stage not in ("manager", "answerer"):
             raise ValueError(f"workflow stage must be 'manager' or 'answerer', got {stage!r}")
         for name, value in (("max_facts", max_facts), ("manager_top_k", manager_top_k), ("answer_top_k", answer_top_k)):
@@ -122,7 +115,6 @@ class MemoryR1Workflow(BankWorkflow):
         check_placeholders(
             ("extract_template", extract_template, ("{dialogue}",)),
             ("manage_template", manage_template, ("{memories}", "{fact}")),
-            ("answer_template", answer_template, ("{memories}", "{question}")),
         )
         self.stage = stage
         self.max_facts, self.manager_top_k, self.answer_top_k = max_facts, manager_top_k, answer_top_k
@@ -130,7 +122,6 @@ class MemoryR1Workflow(BankWorkflow):
         self.format_penalty = format_penalty
         self.train_extractor = train_extractor and stage == "manager"
         self.extract_template, self.manage_template = extract_template, manage_template
-        self.answer_template = answer_template
         # greedy facts per conversation: the frozen model's (kept), or the trained extractor's (until it trains)
         self._facts_cache: dict[str, list[list[tuple[str, list[str]]]]] = {}
         self._step_counts: Counter[str] = Counter()  # counts of the last training rollout
@@ -220,23 +211,7 @@ class MemoryR1Workflow(BankWorkflow):
                 manager, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable
             )
             for (slot, segment, fact, sources, shown_ids), turn in zip(jobs, outputs):
-                parsed = parse_memory_operation(turn.text, shown_ids, fact)
-                if not parsed.valid:
-                    counts["invalid"] += 1
-                    turn.reward = -self.format_penalty
-                else:
-                    try:
-                        banks[slot].apply(
-                            parsed.op,
-                            parsed.text,
-                            parsed.target_id,
-                            segment.session.name,
-                            segment.session.date_time,
-                            sources,
-                        )
-                    except MemoryBankError:  # the target was deleted by an earlier fact of this round
-                        counts["stale_target"] += 1
-                counts[parsed.op.value] += 1
+                self.apply_operation(banks[slot], turn, segment, fact, sources, shown_ids, counts)
                 turns[slot].append(turn)
         self.counters.update(counts)
         if trainable:
@@ -253,40 +228,51 @@ class MemoryR1Workflow(BankWorkflow):
         )
         return list(zip(banks, turns))
 
-    # ------------------------------------------------------------------ the answer agent
-    def answer(
+    def apply_operation(
         self,
-        engine: RolloutBackend,
-        trajectories: list[Trajectory],
-        banks: list[MemoryBank],
-        settings: GenerationSettings,
+        bank: MemoryBank,
+        turn: Turn,
+        segment: Segment,
+        fact: str,
+        sources: list[str],
+        shown_ids: set[str],
+        counts: Counter[str],
     ) -> None:
-        trainable = self.stage == "answerer"
-        texts = []
+        """Apply the operation a manager ``turn`` chose for ``fact`` to ``bank``, counted in ``counts``.
+
+        An output that names no usable operation is a NOOP whose turn gets ``-format_penalty``.
+        """
+        parsed = parse_memory_operation(turn.text, shown_ids, fact)
+        if not parsed.valid:
+            counts["invalid"] += 1
+            turn.reward = -self.format_penalty
+        else:
+            session = segment.session
+            try:
+                bank.apply(parsed.op, parsed.text, parsed.target_id, session.name, session.date_time, sources)
+            except MemoryBankError:  # the target was deleted by an earlier fact of this round
+                counts["stale_target"] += 1
+        counts[parsed.op.value] += 1
+
+    # ------------------------------------------------------------------ the answer agent
+    def answer_is_trained(self) -> bool:
+        return self.stage == "answerer"  # stage manager: the frozen model answers, never the policy
+
+    def show_memories(self, trajectories: list[Trajectory], banks: list[MemoryBank], training: bool) -> list[str]:
+        """The ``answer_top_k`` memories retrieved for each question."""
+        rendered = []
         for trajectory, bank in zip(trajectories, banks):
-            conversation = trajectory.task.meta["conversation"]
             shown = [e for e, _ in bank.retrieve(trajectory.task.question, self.answer_top_k)]
-            trajectory.info["shown_ids"] = [e.id for e in shown]
-            trajectory.info["shown_source_ids"] = sorted({s for e in shown for s in e.source_ids})
-            texts.append(
-                self.answer_template.format(
-                    memories=bank.format(shown, empty="(no memories)"),
-                    question=trajectory.task.question,
-                    speaker_a=conversation.speaker_a,
-                    speaker_b=conversation.speaker_b,
-                )
-            )
-        gen_settings = settings if trainable or settings.temperature <= 0 else self.greedy(settings)
-        answerer = self.engine_for(engine, trainable)  # stage manager: the frozen model, never the policy
-        turns = self.generate_turns(answerer, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
-        for trajectory, turn in zip(trajectories, turns):
-            raw = turn.text
-            head = raw[: raw.lower().rfind("answer:")] if "answer:" in raw.lower() else ""
-            shown = set(trajectory.info["shown_ids"])
-            trajectory.info["selected_ids"] = [i for i in dict.fromkeys(_MEMORY_ID.findall(head)) if i in shown]
-            trajectory.info["answer_raw"] = raw
-            turn.text = answer_part(raw)  # what the rewards score: the answer without the memory list
-            trajectory.turns.append(turn)
+            record_shown(trajectory, shown)
+            rendered.append(bank.format(shown, empty="(no memories)"))
+        return rendered
+
+    def read_answer(self, trajectory: Trajectory, response: str) -> str:
+        """The answer without the memory list; the listed ids that were shown go to ``info["selected_ids"]``."""
+        head = response[: response.lower().rfind("answer:")] if "answer:" in response.lower() else ""
+        shown = set(trajectory.info["shown_ids"])
+        trajectory.info["selected_ids"] = [i for i in dict.fromkeys(_MEMORY_ID.findall(head)) if i in shown]
+        return answer_part(response)
 
     # ------------------------------------------------------------------ metrics and state
     def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:

@@ -1,4 +1,5 @@
-"""RMM (Reflective Memory Management): prospective reflection into topic memories, a learned reranker.
+"""RMM, Reflective Memory Management (arXiv:2503.08026): prospective reflection into topic memories, a
+learned reranker.
 
 Prospective reflection: after each session (segment) the model summarises the topics discussed;
 each topic memory is added to the bank, or merged into one of the ``merge_top_k`` most similar
@@ -33,7 +34,6 @@ from torch import Tensor, nn
 
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
-from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import evidence_recall
 from lightning_memrl.memory.bank import (
     Embedder,
@@ -46,8 +46,8 @@ from lightning_memrl.memory.bank import (
 )
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
-from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch, Trajectory, Turn
-from lightning_memrl.workflows.bank import BankWorkflow, answer_part, parse_items
+from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Task, Trajectory, Turn
+from lightning_memrl.workflows.bank import BankWorkflow, answer_part, conversation_of, parse_items, record_shown
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,6 @@ class RMMWorkflow(BankWorkflow):
     """RMM on LoCoMo conversations (see the module docstring).
 
     Args:
-        retriever: ``bm25`` or ``dense`` first-stage retrieval of the top ``top_k``.
         turns_per_segment: dialogue turns per reflection call (0: a whole session, as in RMM).
         max_topics: topic memories kept per reflection.
         merge_top_k: similar entries shown when deciding to add or merge a topic (none similar: add).
@@ -167,15 +166,13 @@ class RMMWorkflow(BankWorkflow):
         merge_max_tokens: generation cap of an add-or-merge turn.
         reflect_template: prompt with ``{date}``, ``{dialogue}``, ``{max_topics}``.
         merge_template: prompt with ``{memories}``, ``{memory}``, ``{date}``.
-        answer_template: prompt with ``{memories}``, ``{question}``, ``{speaker_a}``, ``{speaker_b}``.
-        max_batch: most prompts per ``generate`` call.
-        system_prompt: optional system message of every turn.
-        judge: optional LLM judge of validation answers.
+        answer_template: prompt of the generator (see :class:`BankWorkflow`).
+        **kwargs: ``retriever`` (first-stage retrieval of the top ``top_k``), ``max_batch``,
+            ``system_prompt``, ``judge`` of :class:`BankWorkflow`.
     """
 
     def __init__(
         self,
-        retriever: str = "bm25",
         turns_per_segment: int = 0,
         max_topics: int = 4,
         merge_top_k: int = 3,
@@ -195,11 +192,9 @@ class RMMWorkflow(BankWorkflow):
         reflect_template: str = DEFAULT_REFLECT_TEMPLATE,
         merge_template: str = DEFAULT_MERGE_TEMPLATE,
         answer_template: str = DEFAULT_ANSWER_TEMPLATE,
-        max_batch: int = 32,
-        system_prompt: str | None = None,
-        judge: LLMJudge | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(retriever, turns_per_segment, max_batch, system_prompt, judge)
+        super().__init__(answer_template, turns_per_segment=turns_per_segment, **kwargs)
         if not 1 <= top_m <= top_k:
             raise ValueError(f"workflow needs 1 <= top_m <= top_k, got top_m={top_m}, top_k={top_k}")
         if temperature <= 0 or not 0 <= baseline_momentum < 1:
@@ -207,7 +202,6 @@ class RMMWorkflow(BankWorkflow):
         check_placeholders(
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
-            ("answer_template", answer_template, ("{memories}", "{question}")),
         )
         if embedding == "hashing":
             self.embedder: Embedder = HashingEmbedder(embedding_dim)
@@ -223,7 +217,7 @@ class RMMWorkflow(BankWorkflow):
         self.train_generator, self.show_raw = train_generator, show_raw
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
         self.reflect_template, self.merge_template = reflect_template, merge_template
-        self.answer_template = answer_template
+        self._selections: list[tuple[Tensor, Tensor] | None] = []  # (scores [K], chosen [M]) of the last answers
         self._pending: tuple[Tensor | None, dict[str, float]] | None = None
 
     def torch_modules(self) -> dict[str, nn.Module]:
@@ -304,73 +298,69 @@ class RMMWorkflow(BankWorkflow):
             line += "".join(f"\n    {r}" for r in raw)
         return line
 
-    def answer(
-        self,
-        engine: RolloutBackend,
-        trajectories: list[Trajectory],
-        banks: list[MemoryBank],
-        settings: GenerationSettings,
-    ) -> None:
-        training = settings.temperature > 0
+    def answer_is_trained(self) -> bool:
+        return self.train_generator
+
+    def show_memories(self, trajectories: list[Trajectory], banks: list[MemoryBank], training: bool) -> list[str]:
+        """The ``top_m`` of the ``top_k`` retrieved memories that the reranker keeps (sampled when training)."""
         device = self.reranker.query_adapter.weight.device
-        selections: list[tuple[Tensor, Tensor] | None] = []  # (scores [K], chosen [M]) per trajectory
-        texts = []
+        self._selections, rendered = [], []
         for trajectory, bank in zip(trajectories, banks):
-            conversation = trajectory.task.meta["conversation"]
             candidates = [e for e, _ in bank.retrieve(trajectory.task.question, self.top_k)]
             trajectory.info["candidate_source_ids"] = sorted({s for e in candidates for s in e.source_ids})
+            shown: list[MemoryEntry] = []
+            selection = None
             if candidates:
                 query = self.embedder.embed([trajectory.task.question])[0].to(device)  # [D]
                 memories = self.embedder.embed([e.text for e in candidates]).to(device)  # [K, D]
                 scores = self.reranker(query, memories)  # [K]
                 chosen = gumbel_top_m(scores, self.top_m, self.temperature, noise=training and self.gumbel)
-                selections.append((scores, chosen))
-                shown = [candidates[i] for i in chosen.tolist()]
-            else:
-                selections.append(None)
-                shown = []
-            trajectory.info["shown_ids"] = [e.id for e in shown]
-            trajectory.info["shown_source_ids"] = sorted({s for e in shown for s in e.source_ids})
-            rendered = "\n".join(self._render(k + 1, e, conversation) for k, e in enumerate(shown))
-            texts.append(
-                self.answer_template.format(
-                    memories=rendered or "(no memories)",
-                    question=trajectory.task.question,
-                    speaker_a=conversation.speaker_a,
-                    speaker_b=conversation.speaker_b,
-                )
+                selection, shown = (scores, chosen), [candidates[i] for i in chosen.tolist()]
+            self._selections.append(selection)
+            record_shown(trajectory, shown)
+            conversation = conversation_of(trajectory.task)
+            rendered.append(
+                "\n".join(self._render(k + 1, e, conversation) for k, e in enumerate(shown)) or "(no memories)"
             )
-        trainable = self.train_generator
-        gen_settings = settings if trainable or not training else self.greedy(settings)
-        generator = self.engine_for(engine, trainable)
-        turns = self.generate_turns(generator, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
+        return rendered
+
+    def read_answer(self, trajectory: Trajectory, response: str) -> str:
+        """The answer without citations; the cited memories and their rewards (+1/−1) go to ``info``."""
+        cited = parse_citations(response, len(trajectory.info["shown_ids"]))
+        rewards = citation_rewards(cited, len(trajectory.info["shown_ids"]))  # [M]
+        trajectory.info.update(cited=sorted(cited), citation_rewards=rewards.tolist())
+        return _strip_citations(answer_part(response))
+
+    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+        """The bank workflow's rollout; a training rollout also readies the reranker's loss (:meth:`auxiliary_loss`)."""
+        trajectories = super().rollout(engine, tasks, settings)
+        if settings.temperature > 0:
+            self._pending = self._reranker_update(trajectories)
+        return trajectories
+
+    def _reranker_update(self, trajectories: list[Trajectory]) -> tuple[Tensor | None, dict[str, float]]:
+        """REINFORCE loss of the last selections under the citation rewards; moves the baseline ``b``."""
         losses, rewards_all = [], []
-        for trajectory, turn, selection in zip(trajectories, turns, selections):
-            raw = turn.text
-            shown = len(trajectory.info["shown_ids"])
-            cited = parse_citations(raw, shown)
-            rewards = citation_rewards(cited, shown)  # [M]
-            trajectory.info.update(answer_raw=raw, cited=sorted(cited), citation_rewards=rewards.tolist())
-            turn.text = _strip_citations(answer_part(raw))
-            trajectory.turns.append(turn)
-            if training and selection is not None and torch.is_grad_enabled():
+        for trajectory, selection in zip(trajectories, self._selections):
+            rewards = torch.tensor(trajectory.info["citation_rewards"])  # [M]
+            if selection is not None and torch.is_grad_enabled():
                 scores, chosen = selection
                 losses.append(
                     reinforce_loss(selection_log_probs(scores, chosen, self.temperature), rewards, self.baseline)
                 )
             rewards_all.append(rewards)
-        if training:
-            flat = torch.cat(rewards_all) if rewards_all else torch.zeros(0)
-            mean_reward = float(flat.mean()) if flat.numel() else 0.0
-            metrics = {
-                "reranker/loss": float(torch.stack(losses).detach().mean()) if losses else 0.0,
-                "reranker/citation_reward": mean_reward,
-                "reranker/baseline": self.baseline,
-                "reranker/cited_frac": float((flat > 0).float().mean()) if flat.numel() else 0.0,
-            }
-            self._pending = (torch.stack(losses).mean() if losses else None, metrics)
-            if flat.numel():
-                self.baseline = self.baseline_momentum * self.baseline + (1 - self.baseline_momentum) * mean_reward
+        self._selections = []
+        flat = torch.cat(rewards_all) if rewards_all else torch.zeros(0)
+        mean_reward = float(flat.mean()) if flat.numel() else 0.0
+        metrics = {
+            "reranker/loss": float(torch.stack(losses).detach().mean()) if losses else 0.0,
+            "reranker/citation_reward": mean_reward,
+            "reranker/baseline": self.baseline,
+            "reranker/cited_frac": float((flat > 0).float().mean()) if flat.numel() else 0.0,
+        }
+        if flat.numel():
+            self.baseline = self.baseline_momentum * self.baseline + (1 - self.baseline_momentum) * mean_reward
+        return (torch.stack(losses).mean() if losses else None), metrics
 
     def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
         """The reranker's REINFORCE loss of the last training rollout and its metrics."""
