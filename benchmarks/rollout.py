@@ -73,12 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_tasks(args: argparse.Namespace, tokenizer: Any, workflow: Any) -> list[Any]:
     """``--tasks`` synthetic tasks whose contexts are exactly ``--chunks`` chunks of ``--chunk_tokens`` tokens."""
-    from lightning_memrl import SyntheticTaskConfig, Task, generate_synthetic_tasks
+    from lightning_memrl import SyntheticTaskSettings, Task, generate_synthetic_tasks
 
     need = args.chunks * args.chunk_tokens
     pieces = args.chunks  # synthetic chunks of 12 filler sentences each, joined and re-cut below
     while True:
-        config = SyntheticTaskConfig(
+        config = SyntheticTaskSettings(
             num_tasks=args.tasks,
             min_chunks=pieces,
             max_chunks=pieces,

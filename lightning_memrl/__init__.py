@@ -3,7 +3,7 @@
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.data.files import load_tasks
 from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
-from lightning_memrl.data.synthetic import SyntheticTaskConfig, generate_synthetic_tasks
+from lightning_memrl.data.synthetic import SyntheticTaskSettings, generate_synthetic_tasks
 from lightning_memrl.errors import ConfigError, DataError, MemRLError
 from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp
 from lightning_memrl.memory.sqlite import SQLiteMemoryBank
@@ -39,7 +39,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "SQLiteMemoryBank",
-    "SyntheticTaskConfig",
+    "SyntheticTaskSettings",
     "Task",
     "TextMemoryStore",
     "Trajectory",

@@ -15,7 +15,7 @@ from lightning_memrl.errors import DataError
 
 def test_questions_become_tasks_and_category_5_is_left_out(tmp_path, caplog):
     path = write_locomo(tmp_path)
-    with caplog.at_level(logging.INFO, logger="lightning_memrl.locomo"):
+    with caplog.at_level(logging.INFO, logger="lightning_memrl.data.locomo"):
         tasks = load_locomo(path)
     assert [t.id for t in tasks] == ["conv-test:qa0", "conv-test:qa1", "conv-test:qa2", "conv-test:qa3"]
     assert [t.answers for t in tasks] == [["Miso"], ["Lisbon"], ["2023"], ["Rosa"]]  # a number becomes text
@@ -41,7 +41,7 @@ def test_category_5_on_request_gets_the_unanswerable_answer(tmp_path):
 
 
 def test_session_and_question_caps_are_counted(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="lightning_memrl.locomo"):
+    with caplog.at_level(logging.INFO, logger="lightning_memrl.data.locomo"):
         tasks = load_locomo(write_locomo(tmp_path), LoCoMoSettings(max_sessions=2, max_questions=2))
     assert [t.id for t in tasks] == ["conv-test:qa0", "conv-test:qa1"]
     assert len(tasks[0].meta["conversation"].sessions) == 2
