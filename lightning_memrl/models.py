@@ -24,7 +24,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# weight dtypes by the name options give them (model dtype, bnb compute dtype, FSDP mixed precision)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -73,15 +74,15 @@ class QuantizationSettings:
                 f"model.init_args.quantization.bnb_4bit_quant_type must be 'nf4' or 'fp4', "
                 f"got {self.bnb_4bit_quant_type!r}"
             )
-        if self.bnb_4bit_compute_dtype not in _DTYPES:
+        if self.bnb_4bit_compute_dtype not in DTYPES:
             raise ValueError(
-                f"model.init_args.quantization.bnb_4bit_compute_dtype must be one of {sorted(_DTYPES)}, "
+                f"model.init_args.quantization.bnb_4bit_compute_dtype must be one of {sorted(DTYPES)}, "
                 f"got {self.bnb_4bit_compute_dtype!r}"
             )
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=self.bnb_4bit_quant_type,
-            bnb_4bit_compute_dtype=_DTYPES[self.bnb_4bit_compute_dtype],
+            bnb_4bit_compute_dtype=DTYPES[self.bnb_4bit_compute_dtype],
             bnb_4bit_use_double_quant=self.bnb_4bit_use_double_quant,
         )
 
@@ -113,9 +114,9 @@ def resolve_dtype(requested: str, frozen_base: bool, device: torch.device | str 
     """
     if requested == "auto":
         return torch.bfloat16 if frozen_base and fast_bf16(device) else torch.float32
-    if requested not in _DTYPES:
-        raise ValueError(f"model.init_args.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {requested!r}")
-    return _DTYPES[requested]
+    if requested not in DTYPES:
+        raise ValueError(f"model.init_args.dtype must be 'auto' or one of {sorted(DTYPES)}, got {requested!r}")
+    return DTYPES[requested]
 
 
 def resolve_attn_implementation(requested: str, device: torch.device | str | None = None) -> str:
@@ -295,6 +296,84 @@ def keep_4bit_layout(model: Any) -> int:
     return len(layers)
 
 
+def _check_quantization(
+    name_or_path: str, lora: LoraSettings | None, quantization: QuantizationSettings | None, empty_weights: bool
+) -> None:
+    """Refuse 4-bit base weights without adapters to train, or without a saved model to quantise."""
+    if quantization is not None and lora is None:
+        raise ValueError(
+            "model.init_args.quantization needs model.init_args.lora: 4-bit base weights cannot be trained; "
+            "add e.g. lora: {r: 16, alpha: 32}"
+        )
+    if quantization is not None and (name_or_path == TINY or empty_weights):
+        raise ValueError(
+            "model.init_args.quantization needs a saved model (a hub id or a local directory), "
+            f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
+        )
+
+
+def _load_pretrained(
+    name_or_path: str,
+    torch_dtype: torch.dtype,
+    attn: str,
+    quantization: QuantizationSettings | None,
+    empty_weights: bool,
+) -> Any:
+    """A saved model (hub id or local directory), quantised while loading, or its architecture on meta."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra: dict[str, Any] = {}
+    if quantization is not None:
+        extra["quantization_config"] = quantization.to_bnb_config()
+        if torch.cuda.is_available():  # quantise while loading onto this process's GPU
+            extra["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        if empty_weights:
+            config = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+        return AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
+        )
+    except OSError as err:
+        raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
+
+
+def _prepare_4bit(model: Any, gradient_checkpointing: bool) -> Any:
+    """QLoRA: the 4-bit layout kept, unquantised weights in fp32, input grads on, non-reentrant checkpointing."""
+    from peft import prepare_model_for_kbit_training
+
+    keep_4bit_layout(model)
+    return prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+
+
+def _enable_gradient_checkpointing(model: Any, adapters: bool) -> None:
+    """Recompute activations in backward (non-reentrant); with adapters the inputs need grads to reach them."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # generation turns it back on per call
+    if adapters:
+        model.enable_input_require_grads()
+
+
+def _add_lora(model: Any, lora: LoraSettings, empty_weights: bool) -> Any:
+    """``model`` wrapped by peft with LoRA adapters (built on meta when the weights are empty)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    with torch.device("meta") if empty_weights else nullcontext():
+        return get_peft_model(model, config)
+
+
 def load_policy(
     name_or_path: str,
     tokenizer: Any,
@@ -320,16 +399,7 @@ def load_policy(
         empty_weights: build the architecture on the meta device without reading weights (the
             sharded loader fills it from rank 0).
     """
-    if quantization is not None and lora is None:
-        raise ValueError(
-            "model.init_args.quantization needs model.init_args.lora: 4-bit base weights cannot be trained; "
-            "add e.g. lora: {r: 16, alpha: 32}"
-        )
-    if quantization is not None and (name_or_path == TINY or empty_weights):
-        raise ValueError(
-            "model.init_args.quantization needs a saved model (a hub id or a local directory), "
-            f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
-        )
+    _check_quantization(name_or_path, lora, quantization, empty_weights)
     torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
     attn = resolve_attn_implementation(attn_implementation)
     if name_or_path == TINY:
@@ -337,49 +407,11 @@ def load_policy(
             model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
         model.config._attn_implementation = attn
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        extra: dict[str, Any] = {}
-        if quantization is not None:
-            extra["quantization_config"] = quantization.to_bnb_config()
-            if torch.cuda.is_available():  # quantise while loading onto this process's GPU
-                extra["device_map"] = {"": torch.cuda.current_device()}
-        try:
-            if empty_weights:
-                config = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
-                with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(
-                    resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
-                )
-        except OSError as err:
-            raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
-    if quantization is not None:  # QLoRA: unquantised weights in fp32, input grads on, non-reentrant checkpointing
-        from peft import prepare_model_for_kbit_training
-
-        keep_4bit_layout(model)
-
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+        model = _load_pretrained(name_or_path, torch_dtype, attn, quantization, empty_weights)
+    if quantization is not None:
+        model = _prepare_4bit(model, gradient_checkpointing)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False  # generation turns it back on per call
-        if lora is not None:
-            model.enable_input_require_grads()
+        _enable_gradient_checkpointing(model, adapters=lora is not None)
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        with torch.device("meta") if empty_weights else nullcontext():
-            model = get_peft_model(model, config)
+        model = _add_lora(model, lora, empty_weights)
     return model
