@@ -53,6 +53,8 @@ def test_one_dtype_table_serves_the_model_and_fsdp_options(monkeypatch: pytest.M
     assert distributed.DTYPES is models.DTYPES
     monkeypatch.setitem(models.DTYPES, "float64", torch.float64)  # a name added once is known to every option
     assert resolve_dtype("float64", frozen_base=False) is torch.float64
-    assert distributed.FSDP2Strategy(param_dtype="float64", reduce_dtype="float64").param_dtype == "float64"
+    strategy = distributed.FSDP2Strategy(param_dtype="float64", reduce_dtype="float64")
+    policy = strategy.fsdp_kwargs()["mp_policy"]
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float64, torch.float64)
     with pytest.raises(ValueError, match=r"trainer.strategy.init_args.param_dtype must be one of \['bfloat16'"):
         distributed.FSDP2Strategy(param_dtype="fp8")
