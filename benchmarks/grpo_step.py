@@ -50,8 +50,10 @@ markdown table to stdout and JSON to ``benchmarks/results/grpo_step_<model>.json
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,27 @@ def finish_step(phases: dict[str, float], step_s: float, generated: int) -> dict
     """A step's phases with its wall time, the time outside the three phases and the generated tokens."""
     known = phases["rollout_s"] + phases["reference_s"] + phases["update_s"]
     return {**phases, "step_s": step_s, "other_s": step_s - known, "generated_tokens": float(generated)}
+
+
+# --------------------------------------------------------------------------- workers
+def worker_result(
+    settings: str, steps: list[dict[str, float]], prompt_ids: list[int], model: Any, loaded_rss: float
+) -> dict[str, Any]:
+    """What a side's worker reports: its settings, every step, the prompt's token ids, weight size and memory."""
+    return {
+        "settings": settings,
+        "steps": steps,
+        "prompt_ids": prompt_ids,
+        "model_mib": bu.param_mib(model),
+        "loaded_rss_mib": loaded_rss,
+        "peak_rss_mib": bu.peak_rss_mib(),
+    }
+
+
+def worker_main(worker: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
+    """A side's worker script: read the driver's options, run ``worker``, write its result to ``--worker_out``."""
+    args = parse_args()
+    Path(args.worker_out).write_text(json.dumps(worker(args)))
 
 
 # --------------------------------------------------------------------------- driver

@@ -10,12 +10,11 @@ import argparse
 import json
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import bench_utils as bu
 import lightning as L
-from grpo_step import ANSWER, PROMPT, finish_step, parse_args
+from grpo_step import ANSWER, PROMPT, finish_step, worker_main, worker_result
 from torch.utils.data import DataLoader
 
 from lightning_memrl import (
@@ -136,17 +135,9 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     loaded_rss = bu.rss_mib()
     timer = StepTimer()
     fit(args, module, timer)
-    return {
-        "settings": f"dtype={args.dtype}, precision={args.precision}, lora_r={args.lora_r}, "
-        f"ours_kwargs={args.ours_kwargs}",
-        "steps": timer.steps,
-        "prompt_ids": workflow.prompt_ids,
-        "model_mib": bu.param_mib(module.policy),
-        "loaded_rss_mib": loaded_rss,
-        "peak_rss_mib": bu.peak_rss_mib(),
-    }
+    settings = f"dtype={args.dtype}, precision={args.precision}, lora_r={args.lora_r}, ours_kwargs={args.ours_kwargs}"
+    return worker_result(settings, timer.steps, workflow.prompt_ids, module.policy, loaded_rss)
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    Path(arguments.worker_out).write_text(json.dumps(worker_ours(arguments)))
+    worker_main(worker_ours)

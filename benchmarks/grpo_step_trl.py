@@ -7,17 +7,15 @@ Run by ``grpo_step.py`` in its own process (``python benchmarks/grpo_step_trl.py
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import bench_utils as bu
 import torch
 import trl
 from datasets import Dataset
-from grpo_step import ANSWER, PROMPT, finish_step, parse_args
+from grpo_step import ANSWER, PROMPT, finish_step, worker_main, worker_result
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -167,17 +165,11 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
         timer.trainer = trainer
         loaded_rss = bu.rss_mib()
         trainer.train()
-    return {
-        "settings": f"trl {trl.__version__}, bf16={bf16}, model dtype={'bfloat16' if bf16 else 'float32'}, "
-        f"lora_r={args.lora_r}",
-        "steps": timer.steps,
-        "prompt_ids": trainer.prompt_ids,
-        "model_mib": bu.param_mib(trainer.model),
-        "loaded_rss_mib": loaded_rss,
-        "peak_rss_mib": bu.peak_rss_mib(),
-    }
+    settings = (
+        f"trl {trl.__version__}, bf16={bf16}, model dtype={'bfloat16' if bf16 else 'float32'}, lora_r={args.lora_r}"
+    )
+    return worker_result(settings, timer.steps, trainer.prompt_ids, trainer.model, loaded_rss)
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    Path(arguments.worker_out).write_text(json.dumps(worker_trl(arguments)))
+    worker_main(worker_trl)
