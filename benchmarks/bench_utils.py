@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from lightning_memrl.model_paths import resolve_model_path
+from lightning_memrl.models import build_tiny_model, build_tiny_tokenizer
+
 RESULTS = Path(__file__).parent / "results"
 TINY = "tiny"
 
@@ -125,8 +128,6 @@ def resolve_model(name: str, workdir: Path) -> str:
     and saves them under ``workdir``, so every side loads the same weights; any other name goes
     through ``resolve_model_path`` (the default SmolLM2 resolves to a local folder offline).
     """
-    from lightning_memrl.models import build_tiny_model, build_tiny_tokenizer, resolve_model_path
-
     if name != TINY:
         return resolve_model_path(name)
     out = workdir / "tiny-model"
@@ -172,6 +173,27 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def comparison_table(
+    labels: dict[str, str],
+    results: dict[str, dict[str, Any]],
+    sides: list[str],
+    ratios: dict[str, float],
+    side_names: dict[str, str],
+    ratio_header: str,
+) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of a side-by-side table: one row per ``labels`` key, a ratio column when ``ratios``."""
+    rows = []
+    for key, label in labels.items():
+        row = [label, *[results[s][key] for s in sides]]
+        if ratios:
+            row.append(ratios.get(key, float("nan")))
+        rows.append(row)
+    headers = ["", *[side_names[s] for s in sides]]
+    if ratios:
+        headers.append(ratio_header)
+    return headers, rows
 
 
 def ratio(ours: float, theirs: float) -> float:

@@ -28,7 +28,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.models import build_tiny_tokenizer
 from lightning_memrl.rewards import TokenF1
@@ -90,7 +90,7 @@ def run(model_dir: str, attn: str, args: argparse.Namespace) -> dict[str, float 
     )
     data = MemRLDataModule(
         batch_size=args.tasks,
-        synthetic=SyntheticTaskConfig(
+        synthetic=SyntheticTaskSettings(
             num_tasks=args.tasks * args.steps, min_chunks=3, max_chunks=3, sentences_per_chunk=args.sentences
         ),
     )

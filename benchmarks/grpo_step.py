@@ -12,9 +12,10 @@ two threads wait on each other (a tiny model's step measured 10x slower than wit
 use ``--threads 1`` there and say so.
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: TRL 1.16). Each side runs in its own
-process with ``torch.set_num_threads(--threads)`` on the same model folder, prompt (one prompt of
-58 tokens with SmolLM2's chat template, repeated ``--group`` times), group size, exactly
-``--new_tokens`` new tokens per completion (``min_new_tokens`` = ``max_new_tokens`` on both),
+process (``grpo_step_ours.py``, ``grpo_step_trl.py``) with ``torch.set_num_threads(--threads)`` on
+the same model folder, prompt (one prompt of 58 tokens with SmolLM2's chat template, repeated
+``--group`` times), group size, exactly ``--new_tokens`` new tokens per completion
+(``min_new_tokens`` = ``max_new_tokens`` on both),
 sampling (T=1, no top-p/top-k), KL coefficient ``--beta`` with the k3 estimator (TRL's), clip 0.2
 on both sides, token-mean loss (TRL's ``dapo``), constant learning rate, AdamW
 (``torch.optim.AdamW``, TRL ``optim=adamw_torch``), gradient clipping 1.0, no gradient
@@ -52,7 +53,7 @@ import argparse
 import json
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,18 @@ import bench_utils as bu
 PROMPT = "The secret code of Bruno is 7390. What is the secret code of Bruno? Reply with the four digits only."
 ANSWER = "7390"
 PHASES = ["rollout_s", "reference_s", "update_s", "other_s", "step_s"]
+WORKERS = {side: Path(__file__).with_name(f"grpo_step_{side}.py") for side in ("ours", "trl")}  # one process a side
+LABELS = {
+    "rollout_s": "rollout (s)",
+    "reference_s": "reference (s)",
+    "update_s": "update (s)",
+    "other_s": "other (s)",
+    "step_s": "**step (s)**",
+    "tokens_per_s": "generated tokens/s",
+    "loaded_rss_mib": "RSS after loading (MiB)",
+    "peak_rss_mib": "peak RSS (MiB)",
+    "model_mib": "policy weights (MiB)",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl_precision", default="auto", choices=["auto", "bf16", "fp32"], help="TRL's precision")
     parser.add_argument("--ours_kwargs", default="{}", help="JSON of extra MemRLModule arguments (engine options)")
     parser.add_argument("--sides", default="ours,trl", help="comma-separated sides to run: ours, trl")
-    parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model_path", help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -108,295 +120,51 @@ def step_summary(steps: list[dict[str, float]], warmup: int) -> dict[str, Any]:
     return out
 
 
-def _finish_step(phases: dict[str, float], step_s: float, generated: int) -> dict[str, float]:
+def finish_step(phases: dict[str, float], step_s: float, generated: int) -> dict[str, float]:
+    """A step's phases with its wall time, the time outside the three phases and the generated tokens."""
     known = phases["rollout_s"] + phases["reference_s"] + phases["update_s"]
     return {**phases, "step_s": step_s, "other_s": step_s - known, "generated_tokens": float(generated)}
 
 
-# --------------------------------------------------------------------------- ours
-def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
-    """Our GRPO step through ``MemRLModule`` and a Lightning ``Trainer``, as ``lightning-memrl fit`` runs it."""
-    bu.set_threads(args.threads)
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    from lightning_memrl import (
-        GenerationSettings,
-        GRPOSettings,
-        LoraSettings,
-        MemAgentWorkflow,
-        MemRLModule,
-        OptimizerSettings,
-        Task,
-        Trajectory,
-        Turn,
-        Workflow,
-    )
-    from lightning_memrl.rewards import TokenF1
-    from lightning_memrl.types import ANSWER_TURN
-
-    class SingleTurnWorkflow(Workflow):
-        """One turn per trajectory: the question through the chat template, one response (TRL's GRPO)."""
-
-        def __init__(self) -> None:
-            self.chat = MemAgentWorkflow()  # only for its chat-template prompt encoding
-            self.prompt_ids: list[int] = []
-            self.generated = 0
-
-        def rollout(self, engine: Any, tasks: list[Any], settings: Any) -> list[Any]:
-            prompts = [self.chat.encode_prompt(task.question, engine.tokenizer) for task in tasks]
-            generations = engine.generate(prompts, settings)
-            self.prompt_ids, self.generated = prompts[0], sum(len(g.token_ids) for g in generations)
-            return [
-                Trajectory(
-                    task=task,
-                    turns=[Turn(ANSWER_TURN, p, g, engine.tokenizer.decode(g.token_ids, skip_special_tokens=True))],
-                )
-                for task, p, g in zip(tasks, prompts, generations)
-            ]
-
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.steps: list[dict[str, float]] = []
-            self.start = 0.0
-
-        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            step_s = time.perf_counter() - self.start
-            m = {k: float(v) for k, v in trainer.callback_metrics.items()}
-            phases = {
-                "rollout_s": m["time/rollout_s"],
-                "reference_s": m["time/reference_s"],
-                "update_s": m["time/update_s"] - m["time/reference_s"],
-            }
-            self.steps.append(_finish_step(phases, step_s, module.workflow.generated))
-
-    L.seed_everything(args.seed, verbose=False)
-    workflow = SingleTurnWorkflow()
-    lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r) if args.lora_r else None
-    module = MemRLModule(
-        model_name_or_path=args.model_path,
-        dtype=args.dtype,
-        lora=lora,
-        workflow=workflow,
-        rewards=[TokenF1()],
-        generation=GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens),
-        grpo=GRPOSettings(
-            group_size=args.group,
-            scale_rewards="group",
-            loss_aggregation="token_mean",
-            clip_low=0.2,
-            clip_high=0.2,
-            kl_coef=args.beta,
-            kl_estimator="k3",
-            ppo_epochs=1,
-            max_grad_norm=1.0,
-        ),
-        optimizer=OptimizerSettings(lr=args.lr),
-        **json.loads(args.ours_kwargs),
-    )
-    module.configure_model()  # idempotent: fit does not load again
-    module.policy.generation_config.min_new_tokens = args.new_tokens  # exactly new_tokens, as TRL below
-    loaded_rss = bu.rss_mib()
-    timer = StepTimer()
-    total = args.warmup + args.steps
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            precision=args.precision,
-            max_steps=total,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            default_root_dir=tmp,
-            callbacks=[timer],
-        )
-        tasks = [Task(question=PROMPT, context=[PROMPT], answers=[ANSWER], id=str(i)) for i in range(total)]
-        trainer.fit(module, train_dataloaders=DataLoader(tasks, batch_size=1, collate_fn=list))
+# --------------------------------------------------------------------------- workers
+def worker_result(
+    settings: str, steps: list[dict[str, float]], prompt_ids: list[int], model: Any, loaded_rss: float
+) -> dict[str, Any]:
+    """What a side's worker reports: its settings, every step, the prompt's token ids, weight size and memory."""
     return {
-        "settings": f"dtype={args.dtype}, precision={args.precision}, lora_r={args.lora_r}, "
-        f"ours_kwargs={args.ours_kwargs}",
-        "steps": timer.steps,
-        "prompt_ids": workflow.prompt_ids,
-        "model_mib": bu.param_mib(module.policy),
+        "settings": settings,
+        "steps": steps,
+        "prompt_ids": prompt_ids,
+        "model_mib": bu.param_mib(model),
         "loaded_rss_mib": loaded_rss,
         "peak_rss_mib": bu.peak_rss_mib(),
     }
 
 
-# --------------------------------------------------------------------------- TRL
-def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """TRL 1.16 ``GRPOTrainer`` with its phases timed by wrapping its own methods."""
-    bu.set_threads(args.threads)
-    import torch
-    import trl
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from lightning_memrl.rewards import TokenF1
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """``GRPOTrainer`` that adds up the time spent in generation, reference and scoring per step."""
-
-        phases: dict[str, float] = {}
-        generated = 0
-        prompt_ids: list[int] = []
-
-        def _generate(self, prompts: list) -> Any:
-            start = time.perf_counter()
-            try:
-                return super()._generate(prompts)
-            finally:
-                self.phases["rollout_s"] += time.perf_counter() - start
-
-        def _generate_single_turn(self, prompt_ids: list, *rest: Any, **kwargs: Any) -> Any:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *rest, **kwargs)
-            self.prompt_ids = list(prompt_ids[0])
-            self.generated += sum(len(c) for c in completion_ids)
-            return completion_ids, logprobs
-
-        def _get_per_token_logps_and_entropies(self, model: Any, *rest: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super()._get_per_token_logps_and_entropies(model, *rest, **kwargs)
-            finally:
-                reference = (model is self.ref_model and model is not None) or (
-                    self.ref_model is None and not torch.is_grad_enabled()
-                )
-                if reference:
-                    self.phases["reference_s"] += time.perf_counter() - start
-
-        def _generate_and_score_completions(self, inputs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return super()._generate_and_score_completions(inputs)
-            finally:
-                self.phases["generate_and_score_s"] += time.perf_counter() - start
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.trainer: TimedGRPOTrainer | None = None
-            self.steps: list[dict[str, float]] = []
-            self.start = 0.0
-
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            self.trainer.phases = dict.fromkeys(["rollout_s", "reference_s", "generate_and_score_s"], 0.0)
-            self.trainer.generated = 0
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            step_s = time.perf_counter() - self.start
-            p = self.trainer.phases
-            phases = {
-                "rollout_s": p["rollout_s"],
-                "reference_s": p["reference_s"],
-                "update_s": step_s - p["generate_and_score_s"],
-            }
-            self.steps.append(_finish_step(phases, step_s, self.trainer.generated))
-
-    f1 = TokenF1()
-
-    def f1_reward(completions: list, answer: list, **_: Any) -> list[float]:
-        return [f1.score_answer(c[0]["content"], [a]) for c, a in zip(completions, answer)]
-
-    bf16 = args.trl_precision == "bf16"
-    total = args.warmup + args.steps
-    timer = StepTimer()
-    peft_config = None
-    if args.lora_r:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=2 * args.lora_r,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        config = GRPOConfig(
-            output_dir=tmp,
-            per_device_train_batch_size=args.group,
-            num_generations=args.group,
-            max_completion_length=args.new_tokens,
-            generation_kwargs={"min_new_tokens": args.new_tokens},
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            beta=args.beta,
-            epsilon=0.2,
-            loss_type="dapo",
-            scale_rewards="group",
-            learning_rate=args.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            optim="adamw_torch",
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            gradient_checkpointing=False,
-            bf16=bf16,
-            model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"},
-            max_steps=total,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-            disable_tqdm=True,
-            use_cpu=True,
-            seed=args.seed,
-            shuffle_dataset=False,
-            dataloader_num_workers=0,
-        )
-        rows = [{"prompt": [{"role": "user", "content": PROMPT}], "answer": ANSWER}] * total
-        trainer = TimedGRPOTrainer(
-            model=args.model_path,
-            reward_funcs=[f1_reward],
-            args=config,
-            train_dataset=Dataset.from_list(rows),
-            peft_config=peft_config,
-            callbacks=[timer],
-        )
-        timer.trainer = trainer
-        loaded_rss = bu.rss_mib()
-        trainer.train()
-    return {
-        "settings": f"trl {trl.__version__}, bf16={bf16}, model dtype={'bfloat16' if bf16 else 'float32'}, "
-        f"lora_r={args.lora_r}",
-        "steps": timer.steps,
-        "prompt_ids": trainer.prompt_ids,
-        "model_mib": bu.param_mib(trainer.model),
-        "loaded_rss_mib": loaded_rss,
-        "peak_rss_mib": bu.peak_rss_mib(),
-    }
+def worker_main(worker: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
+    """A side's worker script: read the driver's options, run ``worker``, write its result to ``--worker_out``."""
+    args = parse_args()
+    Path(args.worker_out).write_text(json.dumps(worker(args)))
 
 
 # --------------------------------------------------------------------------- driver
-def worker_argv(args: argparse.Namespace, side: str, model_path: str) -> list[str]:
+def worker_argv(args: argparse.Namespace, model_path: str) -> list[str]:
+    """The arguments a side's worker process gets: the work and precision options and the model folder."""
     keys = ["model", "group", "new_tokens", "beta", "lr", "lora_r", "steps", "warmup", "threads", "seed"]
     keys += ["dtype", "precision", "trl_precision", "ours_kwargs"]
     argv = [f"--{k}={getattr(args, k)}" for k in keys]
-    return [*argv, "--worker", side, "--model_path", model_path]
+    return [*argv, "--model_path", model_path]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.worker:
-        result = worker_ours(args) if args.worker == "ours" else worker_trl(args)
-        Path(args.worker_out).write_text(json.dumps(result))
-        return
-    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    unknown = set(sides) - {"ours", "trl"}
-    if unknown or not sides:
-        raise SystemExit(f"--sides: use 'ours', 'trl' or 'ours,trl', got {args.sides!r}")
+def run_sides(args: argparse.Namespace, sides: list[str]) -> dict[str, dict[str, Any]]:
+    """Each side's worker result, every side on the same model folder."""
     with tempfile.TemporaryDirectory() as tmp:
         model_path = bu.resolve_model(args.model, Path(tmp))
-        raw = {side: bu.run_worker(__file__, worker_argv(args, side, model_path), side) for side in sides}
+        return {side: bu.run_worker(str(WORKERS[side]), worker_argv(args, model_path), side) for side in sides}
+
+
+def side_results(args: argparse.Namespace, raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per side: the step medians, memory, settings, prompt length and every step; warns of a short generation."""
     results: dict[str, Any] = {}
     for side, r in raw.items():
         summary = step_summary(r["steps"], args.warmup)
@@ -406,43 +174,32 @@ def main(argv: list[str] | None = None) -> None:
         results[side] = {**summary, **{k: r[k] for k in ("settings", "model_mib", "loaded_rss_mib", "peak_rss_mib")}}
         results[side]["prompt_tokens"] = len(r["prompt_ids"])
         results[side]["steps"] = r["steps"]
-    same_prompt = len(raw) < 2 or raw["ours"]["prompt_ids"] == raw["trl"]["prompt_ids"]
-    if not same_prompt:
-        print("warning: the two sides generated from different prompt token ids")
-    ratios = {}
-    if len(raw) == 2:
-        ratios = {key: bu.ratio(results["ours"][key], results["trl"][key]) for key in [*PHASES, "peak_rss_mib"]}
-        ratios["tokens_per_s"] = bu.ratio(results["ours"]["tokens_per_s"], results["trl"]["tokens_per_s"])
-    rows = []
-    labels = {
-        "rollout_s": "rollout (s)",
-        "reference_s": "reference (s)",
-        "update_s": "update (s)",
-        "other_s": "other (s)",
-        "step_s": "**step (s)**",
-        "tokens_per_s": "generated tokens/s",
-        "loaded_rss_mib": "RSS after loading (MiB)",
-        "peak_rss_mib": "peak RSS (MiB)",
-        "model_mib": "policy weights (MiB)",
-    }
-    for key, label in labels.items():
-        row = [label, *[results[s][key] for s in sides]]
-        if ratios:
-            row.append(ratios.get(key, float("nan")))
-        rows.append(row)
-    headers = ["", *[{"ours": "ours", "trl": "TRL"}[s] for s in sides]]
-    if ratios:
-        headers.append("ours / TRL")
-    tag = bu.model_tag(args.model) + (f"_lora{args.lora_r}" if args.lora_r else "")
+    return results
+
+
+def ours_over_trl(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Ratios ours / TRL of the phases, peak RSS and tokens/s (empty with one side)."""
+    if len(results) != 2:
+        return {}
+    ratios = {key: bu.ratio(results["ours"][key], results["trl"][key]) for key in [*PHASES, "peak_rss_mib"]}
+    ratios["tokens_per_s"] = bu.ratio(results["ours"]["tokens_per_s"], results["trl"]["tokens_per_s"])
+    return ratios
+
+
+def result_record(
+    args: argparse.Namespace, argv: list[str] | None, results: dict[str, Any], ratios: dict[str, float], same: bool
+) -> dict[str, Any]:
+    """What the result file holds: the command, the machine, the work both sides did, each side and the ratios."""
     command = "python benchmarks/grpo_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = {
+    first = next(iter(results.values()))
+    return {
         "command": command.strip(),
         "machine": bu.machine(args.threads),
         "work": {
             "model": args.model,
             "prompts_per_step": 1,
-            "prompt_tokens": results[sides[0]]["prompt_tokens"],
-            "same_prompt_ids": same_prompt,
+            "prompt_tokens": first["prompt_tokens"],
+            "same_prompt_ids": same,
             "group": args.group,
             "new_tokens": args.new_tokens,
             "beta": args.beta,
@@ -453,6 +210,23 @@ def main(argv: list[str] | None = None) -> None:
         "sides": results,
         "ratio_ours_over_trl": ratios,
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = set(sides) - {"ours", "trl"}
+    if unknown or not sides:
+        raise SystemExit(f"--sides: use 'ours', 'trl' or 'ours,trl', got {args.sides!r}")
+    raw = run_sides(args, sides)
+    results = side_results(args, raw)
+    same_prompt = len(raw) < 2 or raw["ours"]["prompt_ids"] == raw["trl"]["prompt_ids"]
+    if not same_prompt:
+        print("warning: the two sides generated from different prompt token ids")
+    ratios = ours_over_trl(results)
+    headers, rows = bu.comparison_table(LABELS, results, sides, ratios, {"ours": "ours", "trl": "TRL"}, "ours / TRL")
+    result = result_record(args, argv, results, ratios, same_prompt)
+    tag = bu.model_tag(args.model) + (f"_lora{args.lora_r}" if args.lora_r else "")
     path = bu.write_result(f"grpo_step_{tag}", result)
     work = result["work"]
     print(

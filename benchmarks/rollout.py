@@ -38,8 +38,39 @@ from pathlib import Path
 from typing import Any
 
 import bench_utils as bu
+import torch
+
+from lightning_memrl import (
+    GenerationSettings,
+    MemAgentWorkflow,
+    RolloutEngine,
+    SyntheticTaskSettings,
+    Task,
+    TextMemoryStore,
+    Trajectory,
+    Turn,
+    generate_synthetic_tasks,
+)
+from lightning_memrl.models import load_policy, load_tokenizer
+from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Generation
+from lightning_memrl.workflows.base import split_context
 
 SMALL = {"tasks": 2, "group": 4, "chunks": 3, "chunk_tokens": 256, "memory_tokens": 64}
+EPISODE_KEYS = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
+EPISODE_KEYS += ["top_k", "dtype", "threads", "seed"]  # with threads and seed: what a worker gets
+LABELS = {
+    "wall_s": "wall time (s)",
+    "generated_tokens": "generated tokens",
+    "tokens_per_s": "**generated tokens/s**",
+    "conversations": "conversations",
+    "prompt_tokens": "prompt tokens",
+    "model_prefill_positions": "prefill positions processed",
+    "model_decode_positions": "decode positions processed",
+    "model_forward_calls": "model forward calls",
+    "mean_memory_tokens": "mean memory-turn length",
+    "truncated_fraction": "turns hitting the cap",
+    "peak_rss_mib": "peak RSS (MiB)",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,13 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_tasks(args: argparse.Namespace, tokenizer: Any, workflow: Any) -> list[Any]:
     """``--tasks`` synthetic tasks whose contexts are exactly ``--chunks`` chunks of ``--chunk_tokens`` tokens."""
-    from lightning_memrl import SyntheticTaskConfig, Task, generate_synthetic_tasks
-    from lightning_memrl.workflows.base import split_context
-
     need = args.chunks * args.chunk_tokens
     pieces = args.chunks  # synthetic chunks of 12 filler sentences each, joined and re-cut below
     while True:
-        config = SyntheticTaskConfig(
+        config = SyntheticTaskSettings(
             num_tasks=args.tasks,
             min_chunks=pieces,
             max_chunks=pieces,
@@ -116,10 +144,6 @@ class PositionCounter:
 
 def naive_generate(model: Any, prompt: list[int], settings: Any, max_new_tokens: int, eos: list[int]) -> Any:
     """One conversation by ``model.generate`` on a batch of 1, cut at EOS, with its token log-probs."""
-    import torch
-
-    from lightning_memrl.types import Generation
-
     ids = torch.tensor([prompt], dtype=torch.long)
     out = model.generate(
         input_ids=ids,
@@ -146,9 +170,6 @@ def naive_generate(model: Any, prompt: list[int], settings: Any, max_new_tokens:
 
 def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], settings: Any) -> list[Any]:
     """Each trajectory alone, each conversation alone: MemAgent's turns with batch-1 generation."""
-    from lightning_memrl import TextMemoryStore, Trajectory, Turn
-    from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN
-
     eos = model.generation_config.eos_token_id
     eos = sorted(set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id})
     trajectories = []
@@ -174,11 +195,6 @@ def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], s
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one side on the episode set and measure it."""
     bu.set_threads(args.threads)
-    import torch
-
-    from lightning_memrl import GenerationSettings, MemAgentWorkflow, RolloutEngine
-    from lightning_memrl.models import load_policy, load_tokenizer
-
     tokenizer = load_tokenizer(args.model_path)
     model = load_policy(args.model_path, tokenizer, dtype=args.dtype).eval()
     model.config.use_cache = True
@@ -222,6 +238,25 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_sides(args: argparse.Namespace, sides: list[str]) -> dict[str, dict[str, Any]]:
+    """Each side's worker result, every side on the same model folder and episode set."""
+    common = [f"--{k}={getattr(args, k)}" for k in EPISODE_KEYS]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = bu.resolve_model(args.model, Path(tmp))
+        worker_args = {side: [*common, "--worker", side, "--model_path", path] for side in sides}
+        return {side: bu.run_worker(__file__, worker_args[side], side) for side in sides}
+
+
+def ours_over_naive(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Ratios ours / naive of throughput, wall time and positions processed (empty with one side)."""
+    if len(results) != 2:
+        return {}
+    return {
+        k: bu.ratio(results["ours"][k], results["naive"][k])
+        for k in ("tokens_per_s", "wall_s", "model_prefill_positions", "model_decode_positions")
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -230,50 +265,17 @@ def main(argv: list[str] | None = None) -> None:
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or set(sides) - {"ours", "naive"}:
         raise SystemExit(f"--sides: use 'ours', 'naive' or 'ours,naive', got {args.sides!r}")
-    keys = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
-    keys += ["top_k", "dtype", "threads", "seed"]
-    common = [f"--{k}={getattr(args, k)}" for k in keys]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = bu.resolve_model(args.model, Path(tmp))
-        results = {
-            side: bu.run_worker(__file__, [*common, "--worker", side, "--model_path", path], side) for side in sides
-        }
-    ratios = {}
-    if len(results) == 2:
-        ratios = {
-            k: bu.ratio(results["ours"][k], results["naive"][k])
-            for k in ("tokens_per_s", "wall_s", "model_prefill_positions", "model_decode_positions")
-        }
-    labels = {
-        "wall_s": "wall time (s)",
-        "generated_tokens": "generated tokens",
-        "tokens_per_s": "**generated tokens/s**",
-        "conversations": "conversations",
-        "prompt_tokens": "prompt tokens",
-        "model_prefill_positions": "prefill positions processed",
-        "model_decode_positions": "decode positions processed",
-        "model_forward_calls": "model forward calls",
-        "mean_memory_tokens": "mean memory-turn length",
-        "truncated_fraction": "turns hitting the cap",
-        "peak_rss_mib": "peak RSS (MiB)",
-    }
-    rows = []
-    for key, label in labels.items():
-        row = [label, *[results[s][key] for s in sides]]
-        if ratios:
-            row.append(ratios.get(key, float("nan")))
-        rows.append(row)
-    headers = ["", *[{"ours": "ours (batched)", "naive": "naive loop"}[s] for s in sides]]
-    if ratios:
-        headers.append("ours / naive")
+    results = run_sides(args, sides)
+    ratios = ours_over_naive(results)
+    names = {"ours": "ours (batched)", "naive": "naive loop"}
+    headers, rows = bu.comparison_table(LABELS, results, sides, ratios, names, "ours / naive")
     tag = bu.model_tag(args.model) + ("_small" if args.small else "")
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    episode = {k: getattr(args, k) for k in keys if k not in ("threads", "seed")}
     result = {
         "command": command.strip(),
         "machine": bu.machine(args.threads),
         "model": args.model,
-        "episodes": episode,
+        "episodes": {k: getattr(args, k) for k in EPISODE_KEYS if k not in ("threads", "seed")},
         "sides": results,
         "ratio_ours_over_naive": ratios,
     }

@@ -3,9 +3,10 @@
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.data.files import load_tasks
 from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
-from lightning_memrl.data.synthetic import SyntheticTaskConfig, generate_synthetic_tasks
+from lightning_memrl.data.synthetic import SyntheticTaskSettings, generate_synthetic_tasks
 from lightning_memrl.errors import ConfigError, DataError, MemRLError
-from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp, SQLiteMemoryBank
+from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp
+from lightning_memrl.memory.sqlite import SQLiteMemoryBank
 from lightning_memrl.memory.text import TextMemoryStore
 from lightning_memrl.models import LoraSettings
 from lightning_memrl.module import GRPOSettings, MemRLModule, OptimizerSettings
@@ -40,7 +41,7 @@ __all__ = [
     "RolloutBackend",
     "RolloutEngine",
     "SQLiteMemoryBank",
-    "SyntheticTaskConfig",
+    "SyntheticTaskSettings",
     "Task",
     "TextMemoryStore",
     "Trajectory",

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memrl.models import DTYPES
+
 log = logging.getLogger(__name__)
 
 
@@ -131,9 +133,6 @@ def _model_parallel_base() -> type:
     return ModelParallelStrategy
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class FSDP2Strategy(_model_parallel_base()):  # type: ignore[misc]
     """``ModelParallelStrategy`` for pure data parallelism: every process of every node is one FSDP rank.
 
@@ -162,8 +161,8 @@ class FSDP2Strategy(_model_parallel_base()):  # type: ignore[misc]
         kwargs.pop("tensor_parallel_size", None)
         super().__init__(data_parallel_size=1, tensor_parallel_size=1, **kwargs)
         for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if value is not None and value not in _DTYPES:
-                raise ValueError(f"trainer.strategy.init_args.{name} must be one of {sorted(_DTYPES)} or null")
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"trainer.strategy.init_args.{name} must be one of {sorted(DTYPES)} or null")
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
 
@@ -178,8 +177,8 @@ class FSDP2Strategy(_model_parallel_base()):  # type: ignore[misc]
             return {"reshard_after_forward": self.reshard_after_forward}
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        reduce = _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
-        policy = MixedPrecisionPolicy(param_dtype=_DTYPES[self.param_dtype], reduce_dtype=reduce)
+        reduce = DTYPES[self.reduce_dtype] if self.reduce_dtype else None
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[self.param_dtype], reduce_dtype=reduce)
         return {"reshard_after_forward": self.reshard_after_forward, "mp_policy": policy}
 
 

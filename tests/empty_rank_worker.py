@@ -23,7 +23,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.distributed import FSDP2Strategy
@@ -89,7 +89,7 @@ def main(out: Path) -> None:
         optimizer=OptimizerSettings(lr=1e-2),
     )
     data = MemRLDataModule(
-        batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=8, min_chunks=1, max_chunks=2, sentences_per_chunk=1)
+        batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=8, min_chunks=1, max_chunks=2, sentences_per_chunk=1)
     )
     trainer.fit(module, data)
     torch.save(recorder.record, out / f"rank{trainer.global_rank}.pt")

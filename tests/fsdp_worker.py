@@ -23,7 +23,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.distributed import FSDP2Strategy, is_unsharded
@@ -97,7 +97,7 @@ def module() -> MemRLModule:
 def data() -> MemRLDataModule:
     return MemRLDataModule(
         batch_size=2,
-        synthetic=SyntheticTaskConfig(num_tasks=8, min_chunks=1, max_chunks=3, sentences_per_chunk=1),
+        synthetic=SyntheticTaskSettings(num_tasks=8, min_chunks=1, max_chunks=3, sentences_per_chunk=1),
     )
 
 

@@ -25,7 +25,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.models import build_tiny_model, build_tiny_tokenizer
 
@@ -65,7 +65,7 @@ def _golden_run(tmp_path: Path) -> dict:
         grpo=GRPOSettings(group_size=4, kl_coef=0.05, ppo_epochs=2, clip_low=0.1, clip_high=0.1),
         optimizer=OptimizerSettings(lr=1e-3),
     )
-    data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=8, sentences_per_chunk=1))
+    data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=8, sentences_per_chunk=1))
     recorder = MetricsRecorder()
     quiet_trainer(tmp_path, steps=6, callbacks=[recorder]).fit(module, data)  # 3 batches x 2 PPO epochs
     initial = build_tiny_model(build_tiny_tokenizer(), seed=0).state_dict()

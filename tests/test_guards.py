@@ -17,7 +17,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.errors import MemRLError
@@ -65,8 +65,8 @@ def _module(rewards, group_size=4, **grpo):
 def _data():
     return MemRLDataModule(
         batch_size=1,
-        synthetic=SyntheticTaskConfig(num_tasks=4, min_chunks=1, max_chunks=1, sentences_per_chunk=1),
-        synthetic_val=SyntheticTaskConfig(num_tasks=2, seed=99, min_chunks=1, max_chunks=1, sentences_per_chunk=1),
+        synthetic=SyntheticTaskSettings(num_tasks=4, min_chunks=1, max_chunks=1, sentences_per_chunk=1),
+        synthetic_val=SyntheticTaskSettings(num_tasks=2, seed=99, min_chunks=1, max_chunks=1, sentences_per_chunk=1),
     )
 
 

@@ -103,7 +103,7 @@ def test_model_generation_config_does_not_change_the_sampled_distribution(module
 
 @pytest.mark.parametrize("disable_dropout", [True, False])
 def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout):
-    from lightning_memrl import GRPOSettings, LoraSettings, MemRLDataModule, SyntheticTaskConfig
+    from lightning_memrl import GRPOSettings, LoraSettings, MemRLDataModule, SyntheticTaskSettings
 
     module = MemRLModule(
         "tiny",
@@ -117,7 +117,7 @@ def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout)
         for name, p in module.policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=2, sentences_per_chunk=1))
+    data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=2, sentences_per_chunk=1))
     data.setup()
     torch.manual_seed(0)
     rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)

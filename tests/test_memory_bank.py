@@ -7,14 +7,11 @@ import sqlite3
 import pytest
 import torch
 
-from lightning_memrl.memory.bank import (
-    HashingEmbedder,
-    MemoryBank,
-    MemoryBankError,
-    MemoryOp,
-    SQLiteMemoryBank,
-    parse_memory_operation,
-)
+import lightning_memrl.memory as memory
+from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, MemoryOp
+from lightning_memrl.memory.embedders import HashingEmbedder
+from lightning_memrl.memory.operations import parse_memory_operation
+from lightning_memrl.memory.sqlite import SQLiteMemoryBank
 
 
 def _bank(bank: MemoryBank | None = None) -> MemoryBank:
@@ -158,3 +155,21 @@ def test_parse_memory_operation_never_raises(output, expected):
     parsed = parse_memory_operation(output, {"m0", "m1"}, fact="the fact")
     assert (parsed.op, parsed.target_id, parsed.text, parsed.valid) == expected
     assert parsed.valid or parsed.problem
+
+
+def test_memory_package_has_one_module_per_concern():
+    homes = {
+        "MemoryBank": "bank",
+        "MemoryEntry": "bank",
+        "MemoryOp": "bank",
+        "MemoryBankError": "bank",
+        "SQLiteMemoryBank": "sqlite",
+        "Embedder": "embedders",
+        "HashingEmbedder": "embedders",
+        "SentenceTransformerEmbedder": "embedders",
+        "ParsedOperation": "operations",
+        "parse_memory_operation": "operations",
+    }
+    assert {name: getattr(memory, name).__module__ for name in homes} == {
+        name: f"lightning_memrl.memory.{home}" for name, home in homes.items()
+    }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sqlite3
 
-from lightning_memrl.memory.bank import SQLiteMemoryBank
+from lightning_memrl.memory.sqlite import SQLiteMemoryBank
 
 WRITES = 1200
 

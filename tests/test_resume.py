@@ -135,9 +135,9 @@ def test_sigterm_saves_last_ckpt_exits_143_and_resumes_exactly(straight, tmp_pat
 def test_train_loader_state_resumes_mid_epoch_and_at_an_epoch_end():
     """A restored loader continues with the batches an uninterrupted loader gives, in this and later epochs."""
     from lightning_memrl.data.datamodule import MemRLDataModule
-    from lightning_memrl.data.synthetic import SyntheticTaskConfig
+    from lightning_memrl.data.synthetic import SyntheticTaskSettings
 
-    dm = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=6), seed=3)
+    dm = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=6), seed=3)
     dm.setup("fit")
 
     def epochs(loader, first: int, count: int) -> list[list[str]]:

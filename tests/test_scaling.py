@@ -18,13 +18,13 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.models import QuantizationSettings, build_tiny_model, load_policy, resolve_attn_implementation
 
 
 def _data() -> MemRLDataModule:
-    return MemRLDataModule(batch_size=2, synthetic=SyntheticTaskConfig(num_tasks=4, sentences_per_chunk=1))
+    return MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=4, sentences_per_chunk=1))
 
 
 def _module(**kwargs) -> MemRLModule:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from locomo_fixture import locomo_conversation, write_locomo
 
-from lightning_memrl import MemRLDataModule, SyntheticTaskConfig
+from lightning_memrl import MemRLDataModule, SyntheticTaskSettings
 from lightning_memrl.data.locomo import LoCoMoSettings
 from lightning_memrl.errors import ConfigError, DataError
 
@@ -73,7 +73,7 @@ def test_locomo_validating_on_the_training_questions_is_refused(tmp_path):
 
 def test_overlap_is_refused_for_synthetic_and_file_tasks(tmp_path):
     same_seed = MemRLDataModule(
-        synthetic=SyntheticTaskConfig(num_tasks=4), synthetic_val=SyntheticTaskConfig(num_tasks=2)
+        synthetic=SyntheticTaskSettings(num_tasks=4), synthetic_val=SyntheticTaskSettings(num_tasks=2)
     )
     with pytest.raises(DataError, match=r"2 of 2 validation tasks .* 'synthetic-0-0', 'synthetic-0-1'"):
         same_seed.setup("fit")
@@ -90,7 +90,7 @@ def test_overlap_is_refused_for_synthetic_and_file_tasks(tmp_path):
 
 
 def test_overlap_check_is_skipped_when_the_fit_never_validates(tmp_path):
-    dm = MemRLDataModule(synthetic=SyntheticTaskConfig(num_tasks=4), synthetic_val=SyntheticTaskConfig(num_tasks=2))
+    dm = MemRLDataModule(synthetic=SyntheticTaskSettings(num_tasks=4), synthetic_val=SyntheticTaskSettings(num_tasks=2))
     dm.trainer = SimpleNamespace(limit_val_batches=0)
     dm.setup("fit")
     assert len(dm.val_tasks) == 2

@@ -14,7 +14,7 @@ from lightning_memrl import (
     MemAgentWorkflow,
     MemRLDataModule,
     MemRLModule,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.callbacks import MemRLCallback, OverlongPenalty
 from lightning_memrl.rewards import ExactMatch
@@ -51,8 +51,8 @@ def test_tiny_config_overlong_penalty_fires_by_the_hand_computed_amount(tmp_path
     )
     data = MemRLDataModule(
         batch_size=2,
-        synthetic=SyntheticTaskConfig(num_tasks=4, min_chunks=1, max_chunks=2, sentences_per_chunk=1),
-        synthetic_val=SyntheticTaskConfig(num_tasks=2, seed=99, sentences_per_chunk=1),
+        synthetic=SyntheticTaskSettings(num_tasks=4, min_chunks=1, max_chunks=2, sentences_per_chunk=1),
+        synthetic_val=SyntheticTaskSettings(num_tasks=2, seed=99, sentences_per_chunk=1),
     )
     quiet_trainer(tmp_path, steps=2, callbacks=[penalty, recorder]).fit(module, data)
     soft_start = args["max_length"] - args["cache_length"]

@@ -1,8 +1,10 @@
-"""Tasks, a synthetic long-context memory task generator, and the ``MemRLDataModule``.
+"""``MemRLDataModule``: the Lightning datamodule that serves training and validation tasks.
 
-A task is a question, a context (a list of chunks, or one long text the workflow cuts into
-chunks) and gold answers. Files are JSON, JSONL (read by :mod:`lightning_memrl.task_files`) or
-Parquet; every row is checked before training and a bad one stops the run with its file, row and field.
+Each split comes from the first source it is given: a task file (:mod:`lightning_memrl.data.files`),
+LoCoMo conversations (:mod:`lightning_memrl.data.locomo`, optionally split by conversation with
+:mod:`lightning_memrl.data.splits`), or the synthetic generator (:mod:`lightning_memrl.data.synthetic`).
+Training batches come from a resumable loader whose :class:`EpochShuffleSampler` saves its epoch and
+position in checkpoints; a fit whose validation tasks repeat training tasks is refused.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import logging
 from collections.abc import Iterator
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_memrl.data.files import load_tasks
 from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
 from lightning_memrl.data.splits import check_held_apart, load_locomo_split
-from lightning_memrl.data.synthetic import SyntheticTaskConfig, generate_synthetic_tasks
+from lightning_memrl.data.synthetic import SyntheticTaskSettings, generate_synthetic_tasks
 from lightning_memrl.errors import ConfigError, DataError, check_option
 from lightning_memrl.types import Task
 
@@ -53,8 +56,6 @@ class EpochShuffleSampler(Sampler[int]):
 
 class _EpochShuffleIterator(Iterator[int]):
     def __init__(self, size: int, seed: int, epoch: int, yielded: int = 0) -> None:
-        import torch
-
         self.size, self.seed, self.epoch, self.yielded = size, seed, epoch, yielded
         self.order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
@@ -108,8 +109,8 @@ class MemRLDataModule(L.LightningDataModule):
         locomo: LoCoMoSettings | None = None,
         locomo_val: LoCoMoSettings | None = None,
         locomo_val_conversations: int = 0,
-        synthetic: SyntheticTaskConfig | None = None,
-        synthetic_val: SyntheticTaskConfig | None = None,
+        synthetic: SyntheticTaskSettings | None = None,
+        synthetic_val: SyntheticTaskSettings | None = None,
         batch_size: int = 2,
         val_batch_size: int = 8,
         num_workers: int = 0,
@@ -130,8 +131,8 @@ class MemRLDataModule(L.LightningDataModule):
                 "unset train_path and val_path, or set locomo_val_conversations: 0"
             )
         self.locomo_val_conversations = locomo_val_conversations
-        self.synthetic = synthetic or SyntheticTaskConfig()
-        self.synthetic_val = synthetic_val or SyntheticTaskConfig(num_tasks=16, seed=self.synthetic.seed + 1000)
+        self.synthetic = synthetic or SyntheticTaskSettings()
+        self.synthetic_val = synthetic_val or SyntheticTaskSettings(num_tasks=16, seed=self.synthetic.seed + 1000)
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
         self.num_workers, self.seed = num_workers, seed
         self.train_tasks: list[Task] = []
@@ -144,21 +145,9 @@ class MemRLDataModule(L.LightningDataModule):
                 self.locomo_path, self.locomo, self.locomo_val, self.locomo_val_conversations
             )
         if not self.train_tasks:
-            self.train_tasks = (
-                load_tasks(self.train_path, self.field_map)
-                if self.train_path
-                else load_locomo(self.locomo_path, self.locomo)
-                if self.locomo_path
-                else generate_synthetic_tasks(self.synthetic)
-            )
+            self.train_tasks = self._load_split(self.train_path, self.locomo, self.synthetic)
         if not self.val_tasks:
-            self.val_tasks = (
-                load_tasks(self.val_path, self.field_map)
-                if self.val_path
-                else load_locomo(self.locomo_path, self.locomo_val)
-                if self.locomo_path
-                else generate_synthetic_tasks(self.synthetic_val)
-            )
+            self.val_tasks = self._load_split(self.val_path, self.locomo_val, self.synthetic_val)
         if stage in (None, "fit") and len(self.train_tasks) < self.batch_size:
             raise DataError(
                 f"data.batch_size={self.batch_size} but only {len(self.train_tasks)} training tasks: "
@@ -169,10 +158,16 @@ class MemRLDataModule(L.LightningDataModule):
             check_held_apart(self.train_tasks, self.val_tasks)
         log.info("tasks: %d train, %d validation", len(self.train_tasks), len(self.val_tasks))
 
+    def _load_split(self, path: str | None, locomo: LoCoMoSettings, synthetic: SyntheticTaskSettings) -> list[Task]:
+        """One split's tasks: from ``path`` when set, else from ``locomo_path`` with ``locomo``, else generated."""
+        if path:
+            return load_tasks(path, self.field_map)
+        if self.locomo_path:
+            return load_locomo(self.locomo_path, locomo)
+        return generate_synthetic_tasks(synthetic)
+
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled batches from a resumable loader: checkpoints hold its epoch and position in it."""
-        import torch
-
         return StatefulDataLoader(
             self.train_tasks,
             batch_size=self.batch_size,

@@ -178,90 +178,92 @@ def _read_file(path: Path) -> list[tuple[Conversation, list[Any], str]]:
     return out
 
 
-def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> list[Task]:
-    """Read LoCoMo conversations (one file, or every ``*.json`` in a folder) into tasks.
-
-    Args:
-        path: a LoCoMo JSON file or a folder of them.
-        settings: which questions to keep.
-
-    Raises:
-        DataError: missing path, unreadable file, or a conversation/question with a missing or
-            mistyped field (the message names the file, the item and the field).
-    """
-    settings = settings or LoCoMoSettings()
-    path = Path(path)
+def _locomo_files(path: Path) -> list[Path]:
+    """The LoCoMo JSON files at ``path`` (one file, or every ``*.json`` of a folder, sorted by name)."""
     if path.is_dir():
         files = sorted(path.glob("*.json"))
         if not files:
             raise DataError(f"{path}: folder has no *.json LoCoMo files")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise DataError(f"{path}: no such file or folder. Set --data.init_args.locomo_path to LoCoMo JSON data.")
-    if settings.max_sessions is not None and settings.max_sessions < 1:
-        raise DataError(f"locomo.max_sessions must be >= 1 or null, got {settings.max_sessions}")
-    wanted = set(settings.conversations) if settings.conversations is not None else None
+        return files
+    if path.is_file():
+        return [path]
+    raise DataError(f"{path}: no such file or folder. Set --data.init_args.locomo_path to LoCoMo JSON data.")
+
+
+def _check_question(row: Any, where: str) -> tuple[str, int]:
+    """The question text and category of one ``qa`` row; a missing or mistyped field raises."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a question must be an object with question, answer, evidence, category")
+    question, category = row.get("question"), row.get("category")
+    if not isinstance(question, str) or not question.strip():
+        raise DataError(f"{where}: field 'question' is missing or empty")
+    if isinstance(category, bool) or not isinstance(category, int):
+        raise DataError(f"{where}: field 'category' must be an integer, got {category!r}")
+    return question.strip(), category
+
+
+def _answer_text(row: dict[str, Any], category: int, where: str) -> str:
+    """The gold answer as text (``3.0`` -> ``"3"``); an unanswered category-5 question gets :data:`UNANSWERABLE`."""
+    answer = row.get("answer")
+    if answer is None and category == 5:
+        answer = UNANSWERABLE
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+        raise DataError(f"{where}: field 'answer' must be a non-empty string or number, got {answer!r}")
+    return str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
+
+
+def _question_task(
+    conversation: Conversation, index: int, question: str, answer: str, category: int, evidence: list[str]
+) -> Task:
+    """The task of question ``index`` of ``conversation``: its sessions are the context chunks."""
+    return Task(
+        question=question,
+        context=[s.render() for s in conversation.sessions],
+        answers=[answer],
+        id=f"{conversation.id}:qa{index}",
+        meta={
+            "conversation": conversation,
+            "conversation_id": conversation.id,
+            "category": category,
+            "evidence": evidence,
+        },
+    )
+
+
+def _conversation_tasks(
+    conversation: Conversation, qa: list[Any], source: str, settings: LoCoMoSettings, skipped: Counter[str]
+) -> tuple[list[Task], int]:
+    """The kept questions of one conversation as tasks, and how many evidence ids name no turn of it.
+
+    Cuts the conversation to ``settings.max_sessions``; every question left out is counted in ``skipped``.
+    """
+    if settings.max_sessions is not None:
+        conversation.sessions = conversation.sessions[: settings.max_sessions]
+    last_session = conversation.sessions[-1].index
+    known_ids = conversation.dia_ids
     tasks: list[Task] = []
-    skipped: Counter[str] = Counter()
     unknown_evidence = 0
-    seen_ids: set[str] = set()
-    for file in files:
-        for conversation, qa, source in _read_file(file):
-            seen_ids.add(conversation.id)
-            if wanted is not None and conversation.id not in wanted:
-                continue
-            if settings.max_sessions is not None:
-                conversation.sessions = conversation.sessions[: settings.max_sessions]
-            last_session = conversation.sessions[-1].index
-            known_ids = conversation.dia_ids
-            kept_here = 0
-            for i, row in enumerate(qa):
-                where = f"{source}: qa[{i}]"
-                if not isinstance(row, dict):
-                    raise DataError(f"{where}: a question must be an object with question, answer, evidence, category")
-                question, category = row.get("question"), row.get("category")
-                if not isinstance(question, str) or not question.strip():
-                    raise DataError(f"{where}: field 'question' is missing or empty")
-                if isinstance(category, bool) or not isinstance(category, int):
-                    raise DataError(f"{where}: field 'category' must be an integer, got {category!r}")
-                if category not in settings.categories:
-                    skipped[f"category {category}"] += 1
-                    continue
-                answer = row.get("answer")
-                if answer is None and category == 5:
-                    answer = UNANSWERABLE
-                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-                    raise DataError(f"{where}: field 'answer' must be a non-empty string or number, got {answer!r}")
-                evidence = normalize_evidence(row.get("evidence", []))
-                sessions = [session_of(e) for e in evidence]
-                if any(s is not None and s > last_session for s in sessions):
-                    skipped["evidence after max_sessions"] += 1
-                    continue
-                if settings.max_questions is not None and kept_here >= settings.max_questions:
-                    skipped["over max_questions"] += 1
-                    continue
-                unknown_evidence += sum(e not in known_ids for e in evidence)
-                answer_text = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
-                tasks.append(
-                    Task(
-                        question=question.strip(),
-                        context=[s.render() for s in conversation.sessions],
-                        answers=[answer_text],
-                        id=f"{conversation.id}:qa{i}",
-                        meta={
-                            "conversation": conversation,
-                            "conversation_id": conversation.id,
-                            "category": category,
-                            "evidence": evidence,
-                        },
-                    )
-                )
-                kept_here += 1
-    if wanted is not None and wanted - seen_ids:
-        raise DataError(
-            f"{path}: locomo.conversations names unknown ids {sorted(wanted - seen_ids)}; have {sorted(seen_ids)}"
-        )
+    for i, row in enumerate(qa):
+        where = f"{source}: qa[{i}]"
+        question, category = _check_question(row, where)
+        if category not in settings.categories:
+            skipped[f"category {category}"] += 1
+            continue
+        answer = _answer_text(row, category, where)
+        evidence = normalize_evidence(row.get("evidence", []))
+        if any(s is not None and s > last_session for s in map(session_of, evidence)):
+            skipped["evidence after max_sessions"] += 1
+            continue
+        if settings.max_questions is not None and len(tasks) >= settings.max_questions:
+            skipped["over max_questions"] += 1
+            continue
+        unknown_evidence += sum(e not in known_ids for e in evidence)
+        tasks.append(_question_task(conversation, i, question, answer, category, evidence))
+    return tasks, unknown_evidence
+
+
+def _log_kept(path: Path, tasks: list[Task], skipped: Counter[str], unknown_evidence: int) -> None:
+    """Log the questions kept per category and those left out, and warn of evidence ids that name no turn."""
     by_category = Counter(t.meta["category"] for t in tasks)
     log.info(
         "LoCoMo %s: %d questions kept %s; left out: %s",
@@ -276,6 +278,42 @@ def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> lis
             path,
             unknown_evidence,
         )
+
+
+def load_locomo(path: str | Path, settings: LoCoMoSettings | None = None) -> list[Task]:
+    """Read LoCoMo conversations (one file, or every ``*.json`` in a folder) into tasks.
+
+    Args:
+        path: a LoCoMo JSON file or a folder of them.
+        settings: which questions to keep.
+
+    Raises:
+        DataError: missing path, unreadable file, or a conversation/question with a missing or
+            mistyped field (the message names the file, the item and the field).
+    """
+    settings = settings or LoCoMoSettings()
+    path = Path(path)
+    files = _locomo_files(path)
+    if settings.max_sessions is not None and settings.max_sessions < 1:
+        raise DataError(f"locomo.max_sessions must be >= 1 or null, got {settings.max_sessions}")
+    wanted = set(settings.conversations) if settings.conversations is not None else None
+    tasks: list[Task] = []
+    skipped: Counter[str] = Counter()
+    unknown_evidence = 0
+    seen_ids: set[str] = set()
+    for file in files:
+        for conversation, qa, source in _read_file(file):
+            seen_ids.add(conversation.id)
+            if wanted is not None and conversation.id not in wanted:
+                continue
+            kept, unknown = _conversation_tasks(conversation, qa, source, settings, skipped)
+            tasks += kept
+            unknown_evidence += unknown
+    if wanted is not None and wanted - seen_ids:
+        raise DataError(
+            f"{path}: locomo.conversations names unknown ids {sorted(wanted - seen_ids)}; have {sorted(seen_ids)}"
+        )
+    _log_kept(path, tasks, skipped, unknown_evidence)
     if not tasks:
         raise DataError(f"{path}: no LoCoMo question left after filtering ({dict(skipped)}); widen locomo settings")
     return tasks

@@ -57,7 +57,7 @@ _FILLER = [
 
 
 @dataclass
-class SyntheticTaskConfig:
+class SyntheticTaskSettings:
     """Knobs of the synthetic long-context memory tasks.
 
     Args:
@@ -80,7 +80,7 @@ class SyntheticTaskConfig:
     seed: int = 0
 
 
-def generate_synthetic_tasks(config: SyntheticTaskConfig) -> list[Task]:
+def generate_synthetic_tasks(config: SyntheticTaskSettings) -> list[Task]:
     """Reproducible tasks: secret codes hidden among filler and distractors across chunks."""
     if config.min_chunks < 1 or config.max_chunks < config.min_chunks:
         raise DataError(f"synthetic: need 1 <= min_chunks <= max_chunks, got {config.min_chunks}, {config.max_chunks}")
@@ -128,7 +128,7 @@ def generate_synthetic_tasks(config: SyntheticTaskConfig) -> list[Task]:
 def synthetic_corpus() -> Iterator[str]:
     """Text that covers the synthetic tasks and prompts (trains the tiny test tokenizer)."""
     for hops in (1, 2):
-        for task in generate_synthetic_tasks(SyntheticTaskConfig(num_tasks=100, hops=hops, seed=hops)):
+        for task in generate_synthetic_tasks(SyntheticTaskSettings(num_tasks=100, hops=hops, seed=hops)):
             yield task.question
             yield from task.context
     yield "Problem Memory Section Question Answer No previous memory. \\boxed{} Update the memory."

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
-from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, parse_memory_operation
+from lightning_memrl.memory.bank import MemoryBank, MemoryBankError
+from lightning_memrl.memory.operations import parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory, Turn

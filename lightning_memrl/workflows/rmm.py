@@ -35,15 +35,9 @@ from torch import Tensor, nn
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
 from lightning_memrl.evaluation.metrics import evidence_recall
-from lightning_memrl.memory.bank import (
-    Embedder,
-    HashingEmbedder,
-    MemoryBank,
-    MemoryEntry,
-    MemoryOp,
-    SentenceTransformerEmbedder,
-    parse_memory_operation,
-)
+from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp
+from lightning_memrl.memory.embedders import Embedder, HashingEmbedder, SentenceTransformerEmbedder
+from lightning_memrl.memory.operations import parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Task, Trajectory, Turn

@@ -1,0 +1,39 @@
+"""Benchmark plumbing (no timing): a side's worker gets the driver's options back; the comparison table."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import each other as top-level modules
+    return importlib.import_module("bench_utils"), importlib.import_module("grpo_step")
+
+
+def test_grpo_step_worker_parses_the_driver_options(bench):
+    _, grpo_step = bench
+    argv = ["--model", "tiny", "--group", "4", "--lora_r", "8", "--dtype", "float32", "--precision", "32-true"]
+    args = grpo_step.parse_args([*argv, "--trl_precision", "fp32", "--steps", "3", "--ours_kwargs", '{"a": 1}'])
+    worker = grpo_step.parse_args(grpo_step.worker_argv(args, "/models/tiny"))
+    assert vars(worker) == {**vars(args), "model_path": "/models/tiny"}
+    assert sorted(grpo_step.WORKERS) == ["ours", "trl"] and all(p.is_file() for p in grpo_step.WORKERS.values())
+
+
+def test_comparison_table_rows_and_ratio_column(bench):
+    bu, _ = bench
+    results = {"ours": {"step_s": 1.0, "rss": 10.0}, "trl": {"step_s": 4.0, "rss": 20.0}}
+    names = {"ours": "ours", "trl": "TRL"}
+    labels = {"step_s": "step (s)", "rss": "RSS"}
+    headers, rows = bu.comparison_table(labels, results, ["ours", "trl"], {"step_s": 0.25}, names, "ours / TRL")
+    assert headers == ["", "ours", "TRL", "ours / TRL"]
+    assert rows[0] == ["step (s)", 1.0, 4.0, 0.25]
+    assert rows[1][:3] == ["RSS", 10.0, 20.0] and math.isnan(rows[1][3])  # no ratio for this row
+    headers, rows = bu.comparison_table(labels, results, ["trl"], {}, names, "ours / TRL")
+    assert headers == ["", "TRL"] and rows == [["step (s)", 4.0], ["RSS", 20.0]]
