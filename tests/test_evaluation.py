@@ -13,7 +13,7 @@ import pytest
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import bleu1, evidence_recall
-from lightning_memrl.module import evaluation_report, format_report
+from lightning_memrl.evaluation.report import evaluation_report, format_report
 
 
 def test_bleu1_by_hand():

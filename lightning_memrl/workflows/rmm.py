@@ -11,7 +11,7 @@ dot-product scores — keeps ``top_m`` of them (M), sampled with Gumbel noise du
 the best M at evaluation. The generator answers and cites the memories it used; each shown memory
 gets a citation reward (+1 cited, −1 not), and the reranker is trained by REINFORCE,
 ``loss = −Σ_i (r_i − b)·log softmax(s/τ)_i`` with a running-mean baseline ``b``. That loss is the
-workflow's :meth:`auxiliary_loss`: ``MemRLModule`` backpropagates it in the same training step, and
+workflow's :meth:`module_loss`: ``MemRLModule`` backpropagates it in the same training step, and
 the reranker is registered as a module, so its parameters are in the optimizer and the checkpoint.
 The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
 
@@ -224,7 +224,8 @@ class RMMWorkflow(BankWorkflow):
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
         self.reflect_template, self.merge_template = reflect_template, merge_template
         self.answer_template = answer_template
-        self._pending: tuple[Tensor | None, dict[str, float]] | None = None
+        self._pending_loss: Tensor | None = None  # of the last training rollout, until module_loss takes it
+        self._pending_metrics: dict[str, float] = {}  # of the last training rollout, until step_metrics takes them
 
     def torch_modules(self) -> dict[str, nn.Module]:
         return {"reranker": self.reranker}
@@ -368,14 +369,19 @@ class RMMWorkflow(BankWorkflow):
                 "reranker/baseline": self.baseline,
                 "reranker/cited_frac": float((flat > 0).float().mean()) if flat.numel() else 0.0,
             }
-            self._pending = (torch.stack(losses).mean() if losses else None, metrics)
+            self._pending_loss, self._pending_metrics = (torch.stack(losses).mean() if losses else None), metrics
             if flat.numel():
                 self.baseline = self.baseline_momentum * self.baseline + (1 - self.baseline_momentum) * mean_reward
 
-    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
-        """The reranker's REINFORCE loss of the last training rollout and its metrics."""
-        pending, self._pending = self._pending, None
-        return pending
+    def module_loss(self, rollouts: RolloutBatch) -> Tensor | None:
+        """The reranker's REINFORCE loss of the last training rollout (taken: a second call gives None)."""
+        loss, self._pending_loss = self._pending_loss, None
+        return loss
+
+    def step_metrics(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """The reranker's loss, citation reward, baseline and cited fraction of the last training rollout (taken)."""
+        metrics, self._pending_metrics = self._pending_metrics, {}
+        return metrics
 
     # ------------------------------------------------------------------ evaluation and state
     def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
