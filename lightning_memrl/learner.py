@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -40,30 +41,16 @@ class Trainee(Protocol):
     workflow_modules: torch.nn.ModuleDict  # the workflow's trainable modules
     share_prefixes: bool
     gradient_checkpointing: bool
-    _skips: guards.SkipCounter
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def global_step(self) -> int: ...
+    _skips: guards.SkipCounter  # consecutive skipped optimizer steps
+    device: torch.device
+    global_step: int
 
     def optimizers(self) -> Any: ...
-
     def lr_schedulers(self) -> Any: ...
-
     def manual_backward(self, loss: Tensor) -> None: ...
+    def reference_context(self) -> AbstractContextManager[Any]: ...  # the policy as the reference (LoRA)
 
-    def reference_context(self) -> AbstractContextManager[Any]: ...
-
-    def sequence_logprobs(
-        self,
-        model: Any,
-        prompts: list[list[int]],
-        response_ids: Tensor,
-        response_mask: Tensor,
-        with_entropy: bool = False,
-    ) -> tuple[Tensor, Tensor | None]: ...
+    sequence_logprobs: Callable[..., tuple[Tensor, Tensor | None]]  # this file's sequence_logprobs, or an override
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import Tensor
 from torchmetrics import MeanMetric
 
 from lightning_memrl import distributed, guards, learner
@@ -224,20 +223,10 @@ class MemRLModule(L.LightningModule):
         total, components, self.nonfinite_rewards = learner.score_trajectories(self.reward_functions, rollouts)
         rollouts.rewards, rollouts.reward_components = total, components
 
-    def sequence_logprobs(
-        self,
-        model: Any,
-        prompts: list[list[int]],
-        response_ids: Tensor,
-        response_mask: Tensor,
-        with_entropy: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of ``response_ids`` [B, R] after their prompts (:func:`.learner.sequence_logprobs`)."""
-        return learner.sequence_logprobs(self, model, prompts, response_ids, response_mask, with_entropy)
-
-    def update(self, rollouts: RolloutBatch) -> dict[str, float]:
-        """``ppo_epochs`` optimizer steps over token-budgeted micro-batches: :func:`~lightning_memrl.learner.update`."""
-        return learner.update(self, rollouts)
+    # overridable: self.sequence_logprobs(model, prompts, response_ids [B, R], response_mask [B, R], with_entropy)
+    # -> (log-probs [B, R], entropy [B, R] or None), and self.update(rollouts) -> metrics (ppo_epochs optimizer steps)
+    sequence_logprobs = learner.sequence_logprobs
+    update = learner.update
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: list[Task], batch_idx: int) -> None:
@@ -308,10 +297,9 @@ class MemRLModule(L.LightningModule):
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
-        n = len(batch)
-        self.log("val/exact_match", self.val_exact_match, prog_bar=True, batch_size=n)
-        self.log("val/f1", self.val_f1, batch_size=n)
-        self.log("val/reward", self.val_reward, batch_size=n)
+        self.log("val/exact_match", self.val_exact_match, prog_bar=True, batch_size=len(batch))
+        self.log("val/f1", self.val_f1, batch_size=len(batch))
+        self.log("val/reward", self.val_reward, batch_size=len(batch))
 
     test_step = validation_step
 
@@ -319,11 +307,7 @@ class MemRLModule(L.LightningModule):
         self._evaluation = EvaluationLog()
 
     def on_validation_epoch_end(self) -> None:
-        """Print exact match and F1 overall and by number of chunks; save them as JSON.
-
-        Next to ``eval_report_step<N>.json``, ``eval_predictions_step<N>.jsonl`` holds one line per
-        task: question, gold answers, the memory after each turn, the completion and its score.
-        """
+        """Print the evaluation report and save it with one prediction per task (:meth:`EvaluationLog.write`)."""
         if self.trainer.sanity_checking:
             return
         step = self.global_step if self.trainer.state.fn == "fit" else self._checkpoint_step

@@ -192,7 +192,12 @@ class EvaluationLog:
         return em, f1
 
     def write(self, step: int, model: str, log_dir: str, is_global_zero: bool) -> None:
-        """Gather every rank's tasks; global rank 0 prints the report and writes its files (see write_evaluation)."""
+        """Gather every rank's tasks; global rank 0 prints the report and writes its files.
+
+        Next to ``eval_report_step<N>.json`` (overall, by number of chunks, by category),
+        ``eval_predictions_step<N>.jsonl`` holds one line per task: question, gold answers, the memory
+        after each turn, the completion and its score.
+        """
         records = distributed.gather_objects(self.records)
         predictions = distributed.gather_objects(self.predictions)
         if records and is_global_zero:
