@@ -122,6 +122,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning_memrl import (
         GenerationSettings,
+        GroupRelative,
         GRPOSettings,
         LoraSettings,
         MemAgentWorkflow,
@@ -183,9 +184,9 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
         workflow=workflow,
         rewards=[TokenF1()],
         generation=GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens),
+        advantage=GroupRelative(scale_rewards="group"),
         grpo=GRPOSettings(
             group_size=args.group,
-            scale_rewards="group",
             loss_aggregation="token_mean",
             clip_low=0.2,
             clip_high=0.2,
