@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import lightning as L
@@ -29,6 +29,7 @@ from lightning_memrl.resume import ExactResume
 from lightning_memrl.rewards import ExactMatch, RewardFunction, check_answer_pattern
 from lightning_memrl.rollout.frozen import FrozenRolloutEngine
 from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.mode import generation_mode
 from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings, build_optimizer
 from lightning_memrl.types import RolloutBatch, Task
 from lightning_memrl.workflows.base import Workflow
@@ -197,20 +198,9 @@ class MemRLModule(L.LightningModule):
     # ------------------------------------------------------------------ (b) (c) (g) overridable steps
     def rollout(self, tasks: list[Task], settings: GenerationSettings) -> RolloutBatch:
         """Run the workflow on ``tasks`` (group members already repeated) and flatten the turns."""
-        was_training = self.policy.training
-        self.policy.eval()
-        use_cache = self.policy.config.use_cache
-        self.policy.config.use_cache = True
-        try:
-            with ExitStack() as stack:
-                stack.enter_context(distributed.unsharded_for_rollout(self.policy))  # sharded: gathered once
-                if self.workflow.frozen_engine is not None and self._reference is not None:
-                    self._reference.to(self.device)  # the frozen agents' model
-                    stack.enter_context(distributed.unsharded_for_rollout(self._reference))
-                trajectories = self.workflow.rollout(self.engine, tasks, settings)
-        finally:
-            self.policy.config.use_cache = use_cache
-            self.policy.train(was_training)
+        frozen = self._reference if self.workflow.frozen_engine is not None else None  # the frozen agents' model
+        with generation_mode(self.policy, frozen, self.device):
+            trajectories = self.workflow.rollout(self.engine, tasks, settings)
         return RolloutBatch.from_trajectories(trajectories, self.grpo.group_size, self.engine.pad_id)
 
     def score(self, rollouts: RolloutBatch) -> None:
