@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memrl import (
     GenerationSettings,
+    GroupRelative,
     GRPOSettings,
     LoraSettings,
     MemAgentWorkflow,
@@ -85,9 +86,9 @@ def build_module(args: argparse.Namespace, workflow: Workflow) -> MemRLModule:
         workflow=workflow,
         rewards=[TokenF1()],
         generation=GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens),
+        advantage=GroupRelative(scale_rewards="group"),
         grpo=GRPOSettings(
             group_size=args.group,
-            scale_rewards="group",
             loss_aggregation="token_mean",
             clip_low=0.2,
             clip_high=0.2,

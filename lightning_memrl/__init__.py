@@ -1,5 +1,6 @@
 """lightning_memrl: train memory-augmented LLM agents with reinforcement learning on Lightning."""
 
+from lightning_memrl.advantages import AdvantageEstimator, GroupRelative
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.data.files import load_tasks
 from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
@@ -9,10 +10,10 @@ from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp
 from lightning_memrl.memory.sqlite import SQLiteMemoryBank
 from lightning_memrl.memory.text import TextMemoryStore
 from lightning_memrl.models import LoraSettings
-from lightning_memrl.module import GRPOSettings, MemRLModule, OptimizerSettings
+from lightning_memrl.module import MemRLModule
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.hf import RolloutEngine
-from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings
 from lightning_memrl.types import RolloutBatch, Task, Trajectory, Turn
 from lightning_memrl.workflows.base import Workflow
 from lightning_memrl.workflows.memagent import MemAgentWorkflow
@@ -21,11 +22,13 @@ from lightning_memrl.workflows.rmm import RMMWorkflow
 
 __version__ = "0.1.0"
 __all__ = [
+    "AdvantageEstimator",
     "ConfigError",
     "DataError",
     "MemRLError",
     "GRPOSettings",
     "GenerationSettings",
+    "GroupRelative",
     "LoCoMoSettings",
     "LoraSettings",
     "MemAgentWorkflow",

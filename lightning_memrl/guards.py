@@ -2,6 +2,8 @@
 
 * :func:`reward_value` checks what a reward function returned: a number (or None), never a string
   or a list. A non-finite number is kept so the caller can count it and leave it out (NaN).
+* :func:`guard_rewards` turns a step's non-finite rewards into NaN (no advantage), counts them and
+  warns when every reward is NaN.
 * :class:`SkipCounter` counts optimizer steps skipped for a non-finite loss or gradient norm and
   stops the run after too many in a row.
 * :func:`check_finite_checkpoint` refuses to write a checkpoint that holds a NaN or an infinity.
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Iterable
@@ -19,6 +22,9 @@ from torch import Tensor
 
 from lightning_memrl import distributed
 from lightning_memrl.errors import MemRLError
+from lightning_memrl.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 class RewardValueError(MemRLError, TypeError):
@@ -67,6 +73,35 @@ def nonfinite_count(values: Tensor, unscored: Tensor | None = None) -> int:
 def finite_or_nan(values: Tensor) -> Tensor:
     """``values`` with every ±inf replaced by NaN (the advantage leaves NaN rewards out)."""
     return torch.where(torch.isfinite(values), values, torch.full_like(values, math.nan))
+
+
+def guard_rewards(
+    rollouts: RolloutBatch, shaped: Tensor, scored: Tensor, nonfinite: int, step: int
+) -> dict[str, float]:
+    """Set ``rollouts.rewards`` to ``shaped`` with ±inf as NaN; count non-finite and NaN rewards.
+
+    A NaN reward is left out of its group's baseline and gets advantage 0. Warns when every
+    reward of the step is NaN: such a step trains nothing but the KL and entropy terms.
+
+    Args:
+        rollouts: the step's batch.
+        shaped: the rewards [N] after the callbacks' shaping and the turn rewards.
+        scored: the reward functions' rewards [N] (NaN: unscored, not counted again).
+        nonfinite: non-finite values the reward functions returned.
+        step: the global step, for the warning.
+    """
+    nonfinite += nonfinite_count(shaped, unscored=scored)  # + shaping's
+    rollouts.rewards = finite_or_nan(shaped)
+    frac_nan = float(torch.isnan(rollouts.rewards).float().mean()) if rollouts.num_trajectories else 0.0
+    if frac_nan == 1.0:
+        log.warning(
+            "step %d: every reward is NaN (%d trajectories, %d of them non-finite values, the rest unscored): "
+            "the advantages are all 0 and the policy learns nothing from this step; check the reward functions",
+            step,
+            rollouts.num_trajectories,
+            nonfinite,
+        )
+    return {"nonfinite_rewards": float(nonfinite), "frac_reward_nan": frac_nan}
 
 
 def grads_are_finite(parameters: Iterable[Tensor]) -> bool:

@@ -1,8 +1,9 @@
 """The GRPO update: token-budgeted micro-batches, sequence log-probs (with shared prompt prefixes
 computed once), the clipped policy loss, and ``ppo_epochs`` optimizer steps with their guards.
 
-Functions take the :class:`~lightning_memrl.module.MemRLModule` whose policy they train; they call
-its overridable methods (``sequence_logprobs``, ``policy_loss``), so a subclass's override applies.
+Functions take the LightningModule whose policy they train, typed by :class:`Trainee`: what they
+read from it (``MemRLModule`` is one). They call its ``sequence_logprobs``, so a subclass's override
+applies.
 """
 
 from __future__ import annotations
@@ -10,15 +11,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from lightning_memrl import distributed, grpo, guards
+from lightning_memrl import distributed, guards, losses
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.rewards import RewardFunction
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.prefix import (
     left_pad,
     position_ids,
@@ -26,13 +30,35 @@ from lightning_memrl.rollout.prefix import (
     shared_prefix_groups,
     split_shared_prefixes,
 )
-from lightning_memrl.settings import GRPOSettings
+from lightning_memrl.settings import GenerationSettings, GRPOSettings
 from lightning_memrl.types import RolloutBatch
-
-if TYPE_CHECKING:
-    from lightning_memrl.module import MemRLModule
+from lightning_memrl.workflows.base import Workflow
 
 log = logging.getLogger(__name__)
+
+
+class Trainee(Protocol):
+    """What the update reads from the LightningModule that owns the policy (``MemRLModule`` is one)."""
+
+    policy: Any  # the trained model
+    _reference: Any  # frozen copy of the initial weights, or None (LoRA: the adapters switched off)
+    engine: RolloutBackend
+    grpo: GRPOSettings
+    generation: GenerationSettings
+    workflow: Workflow
+    workflow_modules: torch.nn.ModuleDict  # the workflow's trainable modules
+    share_prefixes: bool
+    gradient_checkpointing: bool
+    _skips: guards.SkipCounter  # consecutive skipped optimizer steps
+    device: torch.device
+    global_step: int
+
+    def optimizers(self) -> Any: ...
+    def lr_schedulers(self) -> Any: ...
+    def manual_backward(self, loss: Tensor) -> None: ...
+    def reference_context(self) -> AbstractContextManager[Any]: ...  # the policy as the reference (LoRA)
+
+    sequence_logprobs: Callable[..., tuple[Tensor, Tensor | None]]  # this file's sequence_logprobs, or an override
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -55,7 +81,7 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 def sequence_logprobs(
-    module: MemRLModule,
+    module: Trainee,
     model: Any,
     prompts: list[list[int]],
     response_ids: Tensor,
@@ -84,7 +110,7 @@ def sequence_logprobs(
     temperature = module.generation.temperature if module.generation.temperature > 0 else 1.0
     targets = response_ids.to(device)
     parts = split_head(model)
-    groups = module._update_prefix_groups(prompts) if parts is not None else []
+    groups = update_prefix_groups(module, prompts) if parts is not None else []
     if parts is not None:
         decoder, head = parts
         if groups:  # one prefix pass per group, its KV cache (and gradient) shared by the members
@@ -97,13 +123,13 @@ def sequence_logprobs(
     else:
         logits = model(**inputs, logits_to_keep=resp_len + 1).logits[:, :-1]  # [B, R, V]
         logprobs = selected_logprobs(logits, targets, temperature)
-        entropy = grpo.entropy_from_logits(logits.float() / temperature) if with_entropy else None
+        entropy = losses.entropy_from_logits(logits.float() / temperature) if with_entropy else None
     if entropy is not None and module.grpo.entropy_coef == 0:
         entropy = entropy.detach()  # a metric only
     return logprobs, entropy
 
 
-def update_prefix_groups(module: MemRLModule, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
+def update_prefix_groups(module: Trainee, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
     """Groups of rows whose prompts share a prefix, or ``[]`` when sharing is off or saves nothing.
 
     Off with gradient checkpointing, whose recomputation would write the KV cache twice.
@@ -117,7 +143,7 @@ def update_prefix_groups(module: MemRLModule, prompts: list[list[int]]) -> list[
 
 
 def shared_prefix_hidden(
-    module: MemRLModule,
+    module: Trainee,
     decoder: Any,
     prompts: list[list[int]],
     response_ids: Tensor,  # [B, R]
@@ -145,43 +171,13 @@ def shared_prefix_hidden(
     return hidden[:, rest_width - 1 : -1]
 
 
-def policy_loss(
-    g: GRPOSettings,
-    logprobs: Tensor,  # [B, R]
-    old_logprobs: Tensor,  # [B, R]
-    ref_logprobs: Tensor | None,  # [B, R]
-    advantages: Tensor,  # [B, R]
-    weights: Tensor,  # [B, R] aggregation weights over the whole batch
-    entropy: Tensor | None,  # [B, R]
-    mask: Tensor,  # [B, R]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate + β·KL − entropy bonus, aggregated by ``weights``.
-
-    Returns the micro-batch's share of the batch loss and sums for metrics.
-    """
-    token_loss, clipped, dual_clipped = grpo.clipped_surrogate(
-        logprobs, old_logprobs, advantages, g.clip_low, g.clip_high, g.dual_clip
-    )
-    stats = {"clip_frac": (clipped & mask).sum(), "dual_clip_frac": (dual_clipped & mask).sum()}
-    if ref_logprobs is not None and g.kl_coef > 0:
-        kl = grpo.kl_penalty(logprobs, ref_logprobs, g.kl_estimator)
-        token_loss = token_loss + g.kl_coef * kl
-        stats["kl"] = (kl.detach() * mask).sum()
-    if entropy is not None:
-        if g.entropy_coef:
-            token_loss = token_loss - g.entropy_coef * entropy
-        stats["entropy"] = (entropy.detach() * mask).sum()
-    loss = (token_loss * weights).sum()
-    return loss, stats
-
-
-def update(module: MemRLModule, rollouts: RolloutBatch) -> dict[str, float]:
+def update(module: Trainee, rollouts: RolloutBatch) -> dict[str, float]:
     """``ppo_epochs`` optimizer steps over token-budgeted micro-batches of the rollouts."""
     g = module.grpo
     opt = module.optimizers()
     scheduler = module.lr_schedulers()
     mask = rollouts.response_mask.bool()
-    weights = grpo.loss_token_weights(
+    weights = losses.loss_token_weights(
         rollouts.response_mask,
         rollouts.turn_to_trajectory,
         g.loss_aggregation,
@@ -206,7 +202,7 @@ def update(module: MemRLModule, rollouts: RolloutBatch) -> dict[str, float]:
         epoch_loss, gap = epoch_backward(module, rollouts, weights, batches, real_batches, old_lp, ref_lp, sums, epoch)
         logprob_gap += gap
         loss_total += epoch_loss
-        grad_norm, skip = module._clip_gradients_or_skip(opt, epoch_loss)
+        grad_norm, skip = clip_gradients_or_skip(module, opt, epoch_loss)
         skipped += skip
         _step(opt, scheduler)  # after a skip no parameter has a gradient: AdamW changes no weight and no moment
         if not skip:  # the rollout backend samples the next batch from the new weights
@@ -243,7 +239,7 @@ def _rows(rollouts: RolloutBatch, idx: list[int]) -> tuple[list[list[int]], Tens
 
 
 def old_and_reference_logprobs(
-    module: MemRLModule, rollouts: RolloutBatch, batches: list[list[int]]
+    module: Trainee, rollouts: RolloutBatch, batches: list[list[int]]
 ) -> tuple[dict[int, Tensor], dict[int, Tensor], float]:
     """Old (``ppo_epochs > 1``) and reference (``kl_coef > 0``) log-probs per micro-batch, without gradients.
 
@@ -278,7 +274,7 @@ def old_and_reference_logprobs(
 
 
 def epoch_backward(
-    module: MemRLModule,
+    module: Trainee,
     rollouts: RolloutBatch,
     weights: Tensor,
     batches: list[list[int]],
@@ -307,7 +303,8 @@ def epoch_backward(
         if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
             rollout_lp = rollouts.rollout_logprobs[idx, :width].to(module.device)
             logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
-        loss, stats = module.policy_loss(
+        loss, stats = losses.policy_loss(
+            module.grpo,
             logprobs,
             old,
             ref_lp.get(b),
@@ -325,7 +322,7 @@ def epoch_backward(
     return epoch_loss, logprob_gap
 
 
-def clip_gradients_or_skip(module: MemRLModule, opt: Any, loss: float) -> tuple[float, bool]:
+def clip_gradients_or_skip(module: Trainee, opt: Any, loss: float) -> tuple[float, bool]:
     """Clip the policy's gradients to ``max_grad_norm``; drop them all when the step must be skipped.
 
     A step is skipped when its loss, its gradient norm or a workflow module's gradient is NaN

@@ -3,55 +3,39 @@
 One training step (``training_step``):
 
 (a) repeat each task ``group_size`` times → (b) :meth:`rollout` (the workflow's batched turns)
-→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` → (e)
-:meth:`compute_advantages` per trajectory, broadcast to every token of its turns → (f) callbacks'
+→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` → (e) the
+``advantage`` estimator per trajectory, broadcast to every token of its turns → (f) callbacks'
 ``on_advantages`` → (g) :meth:`update`: ``ppo_epochs`` passes over token-budgeted micro-batches
-of :meth:`policy_loss`, gradient clipping, optimizer and LR-scheduler steps → (h) metrics.
+of the policy loss, gradient clipping, optimizer and LR-scheduler steps → (h) metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
-from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_memrl import distributed, grpo, guards, learner
+from lightning_memrl import distributed, guards, learner
+from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
-from lightning_memrl.evaluation.metrics import bleu1
-from lightning_memrl.evaluation.report import (
-    evaluation_report,
-    format_report,
-    prediction_row,
-    step_metrics,
-    write_evaluation,
-)
-from lightning_memrl.learner import micro_batches
+from lightning_memrl.evaluation.report import EvaluationLog, step_metrics
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.resume import ExactResume
-from lightning_memrl.rewards import (
-    ExactMatch,
-    RewardFunction,
-    answer_from_completion,
-    check_answer_pattern,
-    exact_match,
-    token_f1,
-)
+from lightning_memrl.rewards import ExactMatch, RewardFunction, check_answer_pattern
 from lightning_memrl.rollout.base import RolloutBackend, RolloutBackendFactory, check_backend
 from lightning_memrl.rollout.frozen import FrozenRolloutEngine
 from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.mode import generation_mode
 from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings, build_optimizer
 from lightning_memrl.types import RolloutBatch, Task
 from lightning_memrl.workflows.base import Workflow
 from lightning_memrl.workflows.memagent import MemAgentWorkflow
-
-__all__ = ["GRPOSettings", "MemRLModule", "OptimizerSettings", "evaluation_report", "format_report", "micro_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +56,8 @@ class MemRLModule(L.LightningModule):
         gradient_checkpointing: recompute activations in the backward pass.
         workflow: how tasks become trajectories (default: MemAgent).
         rewards: reward functions, summed with their weights (default: exact match).
+        advantage: how rewards become advantages (default: :class:`~lightning_memrl.advantages.GroupRelative`,
+            GRPO's group-normalised reward); in YAML ``advantage: {class_path: ..., init_args: {...}}``.
         generation: sampling settings of training rollouts.
         val_max_new_tokens: answer cap of greedy validation rollouts (default: generation's).
         answer_pattern: regular expression that picks the answer out of a final response for
@@ -98,6 +84,7 @@ class MemRLModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         workflow: Workflow | None = None,
         rewards: list[RewardFunction] | None = None,
+        advantage: AdvantageEstimator | None = None,
         generation: GenerationSettings | None = None,
         val_max_new_tokens: int | None = None,
         answer_pattern: str | None = None,
@@ -116,6 +103,7 @@ class MemRLModule(L.LightningModule):
         self.quantization = quantization
         self.workflow = workflow or MemAgentWorkflow()
         self.reward_functions = rewards or [ExactMatch()]
+        self.advantage = advantage or GroupRelative()
         self.generation = generation or GenerationSettings()
         self.val_max_new_tokens = val_max_new_tokens
         check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
@@ -128,14 +116,12 @@ class MemRLModule(L.LightningModule):
         names = [r.name for r in self.reward_functions]
         if len(set(names)) != len(names):
             raise ValueError(f"model.rewards: reward names must be unique, got {names}; set name: on each")
-        if self.grpo.group_size < 1 or self.grpo.ppo_epochs < 1:
-            raise ValueError("model.grpo: group_size and ppo_epochs must be >= 1")
         self.policy: Any = None
         self.tokenizer: Any = None
         self.engine: RolloutBackend | None = None
         self._reference: Any = None  # not a registered submodule: kept out of checkpoints
         self.val_exact_match, self.val_f1, self.val_reward = MeanMetric(), MeanMetric(), MeanMetric()
-        self._val_records: list[tuple[int, float, float]] = []  # (chunks read, EM, F1) per task
+        self._evaluation = EvaluationLog()  # the validation/test epoch's tasks
         self._checkpoint_step = 0  # step of the checkpoint a validate/test run loaded
         # trainable parts of the workflow (e.g. RMM's reranker): registered, so they reach the
         # optimizer and the checkpoint; the workflow object itself stays a plain object
@@ -181,24 +167,15 @@ class MemRLModule(L.LightningModule):
         """The policy (or, with ``reference``, a plain copy of the base weights), sharded over ``mesh`` when given."""
 
         def build(empty_weights: bool = False) -> Any:
-            if reference:
-                return load_policy(
-                    self.model_name_or_path,
-                    self.tokenizer,
-                    self.dtype_name,
-                    self.attn_implementation,
-                    seed=self.seed,
-                    empty_weights=empty_weights,
-                )
             return load_policy(
                 self.model_name_or_path,
                 self.tokenizer,
                 self.dtype_name,
                 self.attn_implementation,
-                self.lora,
-                self.gradient_checkpointing,
-                self.seed,
-                self.quantization,
+                lora=None if reference else self.lora,
+                gradient_checkpointing=self.gradient_checkpointing and not reference,
+                seed=self.seed,
+                quantization=None if reference else self.quantization,
                 empty_weights=empty_weights,
             )
 
@@ -211,18 +188,14 @@ class MemRLModule(L.LightningModule):
     def frozen_engine(self) -> FrozenRolloutEngine:
         """A rollout engine over the model a workflow's frozen agents use: the LoRA base with the
         adapters disabled, else the reference (a frozen copy of the initial weights)."""
-        if self.lora is not None:
-            return FrozenRolloutEngine(
-                self.policy,
-                self.tokenizer,
-                f"the base model {self.model_name_or_path} with LoRA adapters disabled",
-                context=self.policy.disable_adapter,
-                share_prefixes=self.share_prefixes,
-            )
+        lora, name = self.lora is not None, self.model_name_or_path
         return FrozenRolloutEngine(
-            self._reference,
+            self.policy if lora else self._reference,
             self.tokenizer,
-            f"a frozen copy of the initial weights of {self.model_name_or_path}",
+            f"the base model {name} with LoRA adapters disabled"
+            if lora
+            else f"a frozen copy of the initial weights of {name}",
+            context=self.policy.disable_adapter if lora else None,
             share_prefixes=self.share_prefixes,
         )
 
@@ -237,23 +210,12 @@ class MemRLModule(L.LightningModule):
 
     on_validation_start = on_test_start = on_train_start
 
-    # ------------------------------------------------------------------ (b) (c) (e) overridable steps
+    # ------------------------------------------------------------------ (b) (c) (g) overridable steps
     def rollout(self, tasks: list[Task], settings: GenerationSettings) -> RolloutBatch:
         """Run the workflow on ``tasks`` (group members already repeated) and flatten the turns."""
-        was_training = self.policy.training
-        self.policy.eval()
-        use_cache = self.policy.config.use_cache
-        self.policy.config.use_cache = True
-        try:
-            with ExitStack() as stack:
-                stack.enter_context(distributed.unsharded_for_rollout(self.policy))  # sharded: gathered once
-                if self.workflow.frozen_engine is not None and self._reference is not None:
-                    self._reference.to(self.device)  # the frozen agents' model
-                    stack.enter_context(distributed.unsharded_for_rollout(self._reference))
-                trajectories = self.workflow.rollout(self.engine, tasks, settings)
-        finally:
-            self.policy.config.use_cache = use_cache
-            self.policy.train(was_training)
+        frozen = self._reference if self.workflow.frozen_engine is not None else None  # the frozen agents' model
+        with generation_mode(self.policy, frozen, self.device):
+            trajectories = self.workflow.rollout(self.engine, tasks, settings)
         return RolloutBatch.from_trajectories(trajectories, self.grpo.group_size, self.engine.pad_id)
 
     def score(self, rollouts: RolloutBatch) -> None:
@@ -266,39 +228,10 @@ class MemRLModule(L.LightningModule):
         total, components, self.nonfinite_rewards = learner.score_trajectories(self.reward_functions, rollouts)
         rollouts.rewards, rollouts.reward_components = total, components
 
-    def compute_advantages(self, rollouts: RolloutBatch) -> Tensor:
-        """One advantage per trajectory ([N]) from ``rollouts.rewards`` by group statistics."""
-        return grpo.group_advantages(
-            rollouts.rewards, rollouts.group_size, self.grpo.scale_rewards, self.grpo.advantage_eps
-        )
-
-    # ------------------------------------------------------------------ log-probs and loss (lightning_memrl.learner)
-    def sequence_logprobs(
-        self,
-        model: Any,
-        prompts: list[list[int]],
-        response_ids: Tensor,
-        response_mask: Tensor,
-        with_entropy: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of ``response_ids`` [B, R] after their prompts (:func:`.learner.sequence_logprobs`)."""
-        return learner.sequence_logprobs(self, model, prompts, response_ids, response_mask, with_entropy)
-
-    def _update_prefix_groups(self, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
-        return learner.update_prefix_groups(self, prompts)
-
-    def policy_loss(
-        self,
-        logprobs: Tensor,  # [B, R]
-        old_logprobs: Tensor,  # [B, R]
-        ref_logprobs: Tensor | None,  # [B, R]
-        advantages: Tensor,  # [B, R]
-        weights: Tensor,  # [B, R] aggregation weights over the whole batch
-        entropy: Tensor | None,  # [B, R]
-        mask: Tensor,  # [B, R]
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped surrogate + β·KL − entropy bonus: :func:`~lightning_memrl.learner.policy_loss`."""
-        return learner.policy_loss(self.grpo, logprobs, old_logprobs, ref_logprobs, advantages, weights, entropy, mask)
+    # overridable: self.sequence_logprobs(model, prompts, response_ids [B, R], response_mask [B, R], with_entropy)
+    # -> (log-probs [B, R], entropy [B, R] or None), and self.update(rollouts) -> metrics (ppo_epochs optimizer steps)
+    sequence_logprobs = learner.sequence_logprobs
+    update = learner.update
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: list[Task], batch_idx: int) -> None:
@@ -307,64 +240,45 @@ class MemRLModule(L.LightningModule):
         tasks = [task for task in batch for _ in range(self.grpo.group_size)]  # (a)
         rollouts = self.rollout(tasks, self.generation)  # (b)
         rollout_time = time.perf_counter() - step_start
+        reward_stats = self._rewards(rollouts)  # (c) (d)
+        self._advantages(rollouts)  # (e) (f)
+        self._workflow_step(rollouts)  # the workflow's own modules (e.g. a reranker) and metrics
+        update_start = time.perf_counter()
+        stats = {**self.update(rollouts), **reward_stats}  # (g)
+        timing = (rollout_time, time.perf_counter() - update_start, time.perf_counter() - step_start)
+        self._log_step(rollouts, stats, timing)  # (h)
+
+    def _rewards(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """(c) score, (d) the callbacks' ``on_rewards`` and the turn rewards summed in; ±inf becomes NaN, counted."""
         self.nonfinite_rewards = 0
-        self.score(rollouts)  # (c)
+        self.score(rollouts)
         scored = rollouts.rewards.clone()
-        for callback in self._memrl_callbacks():  # (d)
+        for callback in self._memrl_callbacks():
             callback.on_rewards(self.trainer, self, rollouts)
         shaped = rollouts.rewards.clone()
         shaped.index_add_(0, rollouts.turn_to_trajectory, rollouts.turn_rewards)
-        reward_stats = self._guard_rewards(rollouts, shaped, scored)
-        rollouts.trajectory_advantages = self.compute_advantages(rollouts)  # (e) per trajectory
-        per_turn = rollouts.trajectory_advantages[rollouts.turn_to_trajectory]  # [M] broadcast
-        rollouts.advantages = per_turn.unsqueeze(-1) * rollouts.response_mask  # [M, T]
-        for callback in self._memrl_callbacks():  # (f)
+        return guards.guard_rewards(rollouts, shaped, scored, self.nonfinite_rewards, self.global_step)
+
+    def _advantages(self, rollouts: RolloutBatch) -> None:
+        """(e) the estimator's advantage per trajectory on every token of its turns; (f) ``on_advantages``."""
+        assign_advantages(rollouts, self.advantage)
+        for callback in self._memrl_callbacks():
             callback.on_advantages(self.trainer, self, rollouts)
-        auxiliary = self.workflow.auxiliary_loss(rollouts)  # e.g. a reranker's REINFORCE loss
-        if auxiliary is not None:  # its gradients join the policy's first optimizer step
-            if auxiliary[0] is not None:
-                self.manual_backward(auxiliary[0])
-            self.log_dict({f"train/{k}": v for k, v in auxiliary[1].items()}, batch_size=rollouts.num_trajectories)
-        update_start = time.perf_counter()
-        update_stats = self.update(rollouts)  # (g)
-        update_time = time.perf_counter() - update_start
-        update_stats.update(reward_stats)
-        self._log_step(rollouts, update_stats, rollout_time, update_time, time.perf_counter() - step_start)  # (h)
 
-    def _guard_rewards(self, rollouts: RolloutBatch, shaped: Tensor, scored: Tensor) -> dict[str, float]:
-        """Set ``rollouts.rewards`` to ``shaped`` with ±inf as NaN; count non-finite and NaN rewards.
-
-        A NaN reward is left out of its group's baseline and gets advantage 0. Warns when every
-        reward of the step is NaN: such a step trains nothing but the KL and entropy terms.
-        """
-        nonfinite = self.nonfinite_rewards + guards.nonfinite_count(shaped, unscored=scored)  # + shaping's
-        rollouts.rewards = guards.finite_or_nan(shaped)
-        frac_nan = float(torch.isnan(rollouts.rewards).float().mean()) if rollouts.num_trajectories else 0.0
-        if frac_nan == 1.0:
-            log.warning(
-                "step %d: every reward is NaN (%d trajectories, %d of them non-finite values, the rest unscored): "
-                "the advantages are all 0 and the policy learns nothing from this step; check the reward functions",
-                self.global_step,
-                rollouts.num_trajectories,
-                nonfinite,
-            )
-        return {"nonfinite_rewards": float(nonfinite), "frac_reward_nan": frac_nan}
-
-    def update(self, rollouts: RolloutBatch) -> dict[str, float]:
-        """``ppo_epochs`` optimizer steps over token-budgeted micro-batches: :func:`~lightning_memrl.learner.update`."""
-        return learner.update(self, rollouts)
-
-    def _clip_gradients_or_skip(self, opt: Any, loss: float) -> tuple[float, bool]:
-        return learner.clip_gradients_or_skip(self, opt, loss)
+    def _workflow_step(self, rollouts: RolloutBatch) -> None:
+        """Backpropagate the workflow's ``module_loss`` (with the policy's first step); log ``step_metrics``."""
+        loss, metrics = self.workflow.module_loss(rollouts), self.workflow.step_metrics(rollouts)
+        if loss is not None:
+            self.manual_backward(loss)
+        if metrics:
+            self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=rollouts.num_trajectories)
 
     def _memrl_callbacks(self) -> list[Any]:
         return [c for c in self.trainer.callbacks if isinstance(c, MemRLCallback)]
 
-    def _log_step(
-        self, rollouts: RolloutBatch, stats: dict[str, float], rollout_time: float, update_time: float, step_time: float
-    ) -> None:
+    def _log_step(self, rollouts: RolloutBatch, stats: dict[str, float], timing: tuple[float, float, float]) -> None:
+        """(h) the step's metrics (``timing``: rollout, update and step seconds)."""
         lr = float(self.optimizers().param_groups[0]["lr"])
-        timing = (rollout_time, update_time, step_time)
         metrics = step_metrics(rollouts, stats, lr, timing, self.grpo.ppo_epochs, self.grpo.kl_coef > 0)
         self.log_dict(metrics, batch_size=rollouts.num_trajectories, sync_dist=distributed.is_distributed())
         self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=rollouts.num_trajectories)
@@ -382,59 +296,39 @@ class MemRLModule(L.LightningModule):
             rollouts = self.rollout(list(batch), settings)
         self.score(rollouts)
         for trajectory in rollouts.trajectories:
-            answer = answer_from_completion(trajectory.final_text, self.answer_pattern)
-            em, f1 = exact_match(answer, trajectory.task.answers), token_f1(answer, trajectory.task.answers)
+            em, f1 = self._evaluation.add(trajectory, self.answer_pattern, self.workflow)
             self.val_exact_match.update(em)
             self.val_f1.update(f1)
-            extras = {"category": trajectory.task.meta.get("category"), "bleu1": bleu1(answer, trajectory.task.answers)}
-            extras.update(self.workflow.evaluation_metrics(trajectory))
-            self._val_records.append((len(trajectory.chunks), em, f1, extras))
-            self._val_predictions.append(prediction_row(trajectory, answer, em))
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
-        n = len(batch)
-        self.log("val/exact_match", self.val_exact_match, prog_bar=True, batch_size=n)
-        self.log("val/f1", self.val_f1, batch_size=n)
-        self.log("val/reward", self.val_reward, batch_size=n)
+        self.log("val/exact_match", self.val_exact_match, prog_bar=True, batch_size=len(batch))
+        self.log("val/f1", self.val_f1, batch_size=len(batch))
+        self.log("val/reward", self.val_reward, batch_size=len(batch))
 
     test_step = validation_step
 
     def on_validation_epoch_start(self) -> None:
-        self._val_records = []
-        self._val_predictions: list[dict[str, Any]] = []
+        self._evaluation = EvaluationLog()
 
     def on_validation_epoch_end(self) -> None:
-        """Print exact match and F1 overall and by number of chunks; save them as JSON.
-
-        Next to ``eval_report_step<N>.json``, ``eval_predictions_step<N>.jsonl`` holds one line per
-        task: question, gold answers, the memory after each turn, the completion and its score.
-        """
+        """Print the evaluation report and save it with one prediction per task (:meth:`EvaluationLog.write`)."""
         if self.trainer.sanity_checking:
             return
-        records = distributed.gather_objects(self._val_records)  # every rank's tasks
-        predictions = distributed.gather_objects(self._val_predictions)
-        if not records:
-            return
         step = self.global_step if self.trainer.state.fn == "fit" else self._checkpoint_step
-        report = evaluation_report(records, step=step, model=self.model_name_or_path)
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
-        if self.trainer.is_global_zero:
-            write_evaluation(report, predictions, log_dir)
+        self._evaluation.write(step, self.model_name_or_path, log_dir, self.trainer.is_global_zero)
 
     on_test_epoch_start = on_validation_epoch_start
     on_test_epoch_end = on_validation_epoch_end
 
     # ------------------------------------------------------------------ optimisation and state
     def configure_optimizers(self) -> Any:
-        o = self.optim
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        groups: list[dict[str, Any]] = [{"params": params}]
-        extra = [p for p in self.workflow_modules.parameters() if p.requires_grad]
-        if extra:  # the workflow's own modules, at their own learning rate
-            groups.append({"params": extra, "lr": self.workflow.module_lr or o.lr})
+        """AdamW over the policy and the workflow's modules (at the workflow's ``module_lr``), and its schedule."""
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
-        return build_optimizer(o, groups, total)
+        return build_optimizer(
+            self.optim, self.policy.parameters(), self.workflow_modules.parameters(), self.workflow.module_lr, total
+        )
 
     def configure_callbacks(self) -> list[L.Callback]:
         """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``)."""

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from lightning_memrl import grpo
 from lightning_memrl.errors import ConfigError, check_option
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "rollout_mean"]
+KLEstimator = Literal["k1", "k3", "low_var_kl"]
 
 
 @dataclass
 class GRPOSettings:
-    """GRPO options, named as TRL and verl users know them.
+    """GRPO options, named as TRL and verl users know them (the advantage estimator is ``model.init_args.advantage``).
 
     Args:
         group_size: rollouts per task (``num_generations``).
-        scale_rewards: ``group`` (GRPO), ``batch`` or ``none`` (Dr. GRPO).
-        advantage_eps: added to the std when scaling rewards.
         loss_aggregation: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO),
             ``seq_mean_token_sum_norm`` (Dr. GRPO) or ``rollout_mean`` (every trajectory alike).
         clip_low: lower ratio clip ε_low.
@@ -42,14 +43,12 @@ class GRPOSettings:
     """
 
     group_size: int = 4
-    scale_rewards: grpo.ScaleRewards = "group"
-    advantage_eps: float = 1e-4
-    loss_aggregation: grpo.LossAggregation = "token_mean"
+    loss_aggregation: LossAggregation = "token_mean"
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = None
     kl_coef: float = 0.0
-    kl_estimator: grpo.KLEstimator = "low_var_kl"
+    kl_estimator: KLEstimator = "low_var_kl"
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     micro_batch_tokens: int = 8192
@@ -60,7 +59,6 @@ class GRPOSettings:
     def __post_init__(self) -> None:
         p = "model.init_args.grpo."
         check_option(p + "group_size", self.group_size, 2, why="GRPO's advantage is relative to the group")
-        check_option(p + "advantage_eps", self.advantage_eps, 0.0)
         check_option(p + "clip_low", self.clip_low, 0.0, 1.0, high_open=True, why="the ratio clips at 1 - clip_low")
         check_option(p + "clip_high", self.clip_high, 0.0)
         if self.dual_clip is not None:
@@ -102,12 +100,29 @@ class OptimizerSettings:
             raise ConfigError(f"{p}schedule must be 'constant' or 'cosine' (got {self.schedule!r})")
 
 
-def build_optimizer(o: OptimizerSettings, groups: list[dict[str, Any]], total: int | None) -> dict[str, Any]:
-    """AdamW over parameter ``groups`` and its warm-up/decay schedule over ``total`` steps (None: unknown).
+def build_optimizer(
+    o: OptimizerSettings,
+    params: Iterable[torch.nn.Parameter],
+    module_params: Iterable[torch.nn.Parameter],
+    module_lr: float | None,
+    total: int | None,
+) -> dict[str, Any]:
+    """AdamW and its warm-up/decay schedule over ``total`` steps (None: unknown).
+
+    Args:
+        o: the optimizer settings.
+        params: the policy's parameters (those without ``requires_grad`` are left out).
+        module_params: a workflow's own modules' parameters, trained at ``module_lr`` (None: ``o.lr``).
+        module_lr: their learning rate.
+        total: the number of optimizer steps of the run, for the cosine schedule.
 
     Returns:
         Lightning's ``configure_optimizers`` answer: the optimizer and a per-step LR scheduler.
     """
+    groups: list[dict[str, Any]] = [{"params": [p for p in params if p.requires_grad]}]
+    extra = [p for p in module_params if p.requires_grad]
+    if extra:  # the workflow's own modules, at their own learning rate
+        groups.append({"params": extra, "lr": module_lr or o.lr})
     every = [p for group in groups for p in group["params"]]
     # The fused kernel is one pass over each tensor; the default on CPU is a Python loop over
     # parameters that cost 0.9 s of a 9.8 s full fine-tuning step of SmolLM2 on 2 cores.

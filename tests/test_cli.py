@@ -135,22 +135,28 @@ def test_user_callback_composed_from_yaml(tmp_path):
     assert ckpt["callbacks"][next(n for n in names if "OverlongPenalty" in n)]["penalised_turns"] > 0
 
 
-def test_subclass_from_the_command_line(tmp_path):
+def test_advantage_estimator_chosen_from_yaml(tmp_path):
     _ok(
         _cli(
             "fit",
             "--config",
             TINY,
-            "--model.class_path",
-            "custom_advantages.RankAdvantageModule",
+            "--config",
+            str(REPO / "examples" / "custom_advantages.yaml"),
             "--trainer.max_steps",
             "1",
+            "--trainer.num_sanity_val_steps",
+            "0",
             cwd=tmp_path,
             extra_path=str(REPO / "examples"),
         )
     )
     ckpt = torch.load(_logs(tmp_path) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert ckpt["hyper_parameters"]["_class_path"] == "custom_advantages.RankAdvantageModule"
+    assert ckpt["global_step"] == 1
+    # the example's class replaced configs/tiny.yaml's GroupRelative, whose init_args were dropped with it
+    assert ckpt["hyper_parameters"]["advantage"] == {"class_path": "custom_advantages.RLOO"}
+    rows = list(csv.DictReader(open(next((_logs(tmp_path) / "csv").glob("version_*/metrics.csv")))))
+    assert [r["train/advantage_abs"] != "" for r in rows if r.get("train/reward")] == [True]
 
 
 def test_validate_prints_metrics(trained, tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import bleu1, evidence_recall
-from lightning_memrl.module import evaluation_report, format_report
+from lightning_memrl.evaluation.report import evaluation_report, format_report
 
 
 def test_bleu1_by_hand():
@@ -130,3 +130,23 @@ def test_cli_refuses_a_judge_url_with_a_key_in_one_message(tmp_path):
     assert "error: LLMJudge base_url carries a credential (a user name or password before '@')" in proc.stderr
     assert "Traceback" not in proc.stderr and "SECRET" not in proc.stderr
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and "SECRET" in p.read_text(errors="ignore")]
+
+
+def test_evaluation_log_records_chunks_scores_and_extras_per_task():
+    import torch
+
+    from lightning_memrl.evaluation.report import EvaluationLog
+    from lightning_memrl.types import ANSWER_TURN, Generation, Task, Trajectory, Turn
+    from lightning_memrl.workflows.memagent import MemAgentWorkflow
+
+    task = Task(question="Who?", context=["a", "b"], answers=["Rosa Diaz"], id="t1", meta={"category": 2})
+    turn = Turn(ANSWER_TURN, [1], Generation([2], torch.zeros(1), False), text="\\boxed{Rosa}")
+    trajectory = Trajectory(task=task, turns=[turn], chunks=["a", "b"])
+    log = EvaluationLog()
+    em, f1 = log.add(trajectory, None, MemAgentWorkflow())
+    # "rosa" vs "rosa diaz": precision 1, recall 1/2 -> F1 2/3; unigram BLEU-1 with brevity penalty exp(1 - 2/1)
+    assert (em, f1) == (0.0, pytest.approx(2 / 3))
+    ((chunks, em_, f1_, extras),) = log.records
+    assert (chunks, em_, f1_) == (2, 0.0, pytest.approx(2 / 3))
+    assert extras["category"] == 2 and extras["bleu1"] == pytest.approx(math.exp(-1.0))
+    assert log.predictions[0]["answer"] == "Rosa" and log.predictions[0]["exact_match"] == 0.0

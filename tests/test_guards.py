@@ -18,10 +18,11 @@ from lightning_memrl import (
     MemRLModule,
     OptimizerSettings,
     SyntheticTaskSettings,
+    losses,
 )
+from lightning_memrl.advantages import GroupRelative
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.errors import MemRLError
-from lightning_memrl.grpo import group_advantages
 from lightning_memrl.guards import NonFiniteTrainingError, RewardValueError, SkipCounter, reward_value
 from lightning_memrl.rewards import RewardFunction
 
@@ -100,16 +101,16 @@ def test_huge_rewards_keep_their_advantages():
     # float32 statistics overflow (1e60 > 3.4e38) and gave 0 for every trajectory
     rewards = torch.tensor([1e30, -1e30, 1e30, -1e30])
     expected = torch.tensor([1.0, -1.0, 1.0, -1.0]) * math.sqrt(3) / 2
-    torch.testing.assert_close(group_advantages(rewards, 4, "group"), expected)
-    torch.testing.assert_close(group_advantages(rewards, 4, "batch"), expected)
+    torch.testing.assert_close(GroupRelative("group").from_rewards(rewards, 4), expected)
+    torch.testing.assert_close(GroupRelative("batch").from_rewards(rewards, 4), expected)
     # groups [1e30, 3e30], [2e30, 2e30]: batch std of (1, 3, 2, 2)e30 = sqrt(2/3)e30
-    batch = group_advantages(torch.tensor([1e30, 3e30, 2e30, 2e30]), 2, "batch")
+    batch = GroupRelative("batch").from_rewards(torch.tensor([1e30, 3e30, 2e30, 2e30]), 2)
     torch.testing.assert_close(batch, torch.tensor([-1.0, 1.0, 0.0, 0.0]) / math.sqrt(2 / 3))
-    torch.testing.assert_close(group_advantages(rewards, 2, "none"), torch.tensor([1e30, -1e30, 1e30, -1e30]))
+    torch.testing.assert_close(GroupRelative("none").from_rewards(rewards, 2), torch.tensor([1e30, -1e30, 1e30, -1e30]))
 
 
 def test_infinite_reward_is_left_out_of_the_group_statistics():
-    adv = group_advantages(torch.tensor([math.inf, 1.0, -math.inf, 3.0]), 4, "group", eps=0.0)
+    adv = GroupRelative("group", eps=0.0).from_rewards(torch.tensor([math.inf, 1.0, -math.inf, 3.0]), 4)
     torch.testing.assert_close(adv, torch.tensor([0.0, -1.0, 0.0, 1.0]) / math.sqrt(2))
 
 
@@ -135,7 +136,7 @@ def test_reward_value_accepts_numbers_and_none():
 def test_all_nan_rewards_warn_and_are_measured(tmp_path, caplog):
     module = _module([Scripted([math.nan, None])])
     trainer = quiet_trainer(tmp_path, steps=2)
-    with caplog.at_level(logging.WARNING, logger="lightning_memrl.module"):
+    with caplog.at_level(logging.WARNING, logger="lightning_memrl.guards"):
         trainer.fit(module, _data())
     warnings = [r for r in caplog.records if "every reward is NaN" in r.getMessage()]
     assert len(warnings) == 2  # once per step
@@ -144,15 +145,15 @@ def test_all_nan_rewards_warn_and_are_measured(tmp_path, caplog):
     assert trainer.logged_metrics["train/nonfinite_rewards"] == 2.0
 
 
-def _nan_loss(module, steps_with_nan):
+def _nan_loss(monkeypatch, module, steps_with_nan):
     """Make the loss NaN on the optimizer steps (0-based) in ``steps_with_nan``."""
-    original = module.policy_loss
+    original = losses.policy_loss
 
     def policy_loss(*args, **kwargs):
         loss, stats = original(*args, **kwargs)
         return (loss * math.nan, stats) if module.global_step in steps_with_nan else (loss, stats)
 
-    module.policy_loss = policy_loss
+    monkeypatch.setattr(losses, "policy_loss", policy_loss)
 
 
 class Metrics(MemRLCallback):
@@ -163,10 +164,10 @@ class Metrics(MemRLCallback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def test_nan_loss_skips_the_step_and_counts_it(tmp_path):
+def test_nan_loss_skips_the_step_and_counts_it(tmp_path, monkeypatch):
     module, metrics = _module([Scripted([0.0, 1.0, 2.0, 5.0])]), Metrics()
     module.configure_model()
-    _nan_loss(module, {1})
+    _nan_loss(monkeypatch, module, {1})
     snapshots = []
 
     class Snapshot(MemRLCallback):
@@ -185,10 +186,10 @@ def test_nan_loss_skips_the_step_and_counts_it(tmp_path):
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3  # the schedule follows global_step
 
 
-def test_consecutive_skipped_steps_stop_the_run(tmp_path):
+def test_consecutive_skipped_steps_stop_the_run(tmp_path, monkeypatch):
     module = _module([Scripted([0.0, 1.0, 2.0, 5.0])], max_consecutive_skipped_steps=2)
     module.configure_model()
-    _nan_loss(module, {1, 2, 3, 4})
+    _nan_loss(monkeypatch, module, {1, 2, 3, 4})
     trainer = quiet_trainer(tmp_path, steps=6)
     with pytest.raises(NonFiniteTrainingError, match="2 optimizer steps in a row were skipped") as err:
         trainer.fit(module, _data())

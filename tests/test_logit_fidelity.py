@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memrl import GenerationSettings, MemRLModule
+from lightning_memrl import GenerationSettings, MemRLModule, losses
+from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.rollout.hf import RolloutEngine
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
@@ -102,7 +103,7 @@ def test_model_generation_config_does_not_change_the_sampled_distribution(module
 
 
 @pytest.mark.parametrize("disable_dropout", [True, False])
-def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout):
+def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout, monkeypatch):
     from lightning_memrl import GRPOSettings, LoraSettings, MemRLDataModule, SyntheticTaskSettings
 
     module = MemRLModule(
@@ -122,14 +123,13 @@ def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout)
     torch.manual_seed(0)
     rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
     rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    rollouts.trajectory_advantages = module.compute_advantages(rollouts)
-    rollouts.advantages = rollouts.trajectory_advantages[rollouts.turn_to_trajectory][:, None] * rollouts.response_mask
-    ratios, loss = [], module.policy_loss
+    assign_advantages(rollouts, module.advantage)
+    ratios, loss = [], losses.policy_loss
 
-    def recording_loss(logprobs, old, *args):
+    def recording_loss(settings, logprobs, old, *args):
         mask = args[-1]
         ratios.append(torch.exp(logprobs.detach() - old)[mask])
-        return loss(logprobs, old, *args)
+        return loss(settings, logprobs, old, *args)
 
     class _Opt:
         param_groups = [{"lr": 0.0}]  # no step: every epoch sees the rollout's weights
@@ -140,7 +140,8 @@ def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout)
         def zero_grad(self, set_to_none=True):
             module.policy.zero_grad(set_to_none=True)
 
-    module.policy_loss, module.optimizers, module.lr_schedulers = recording_loss, _Opt, lambda: None
+    monkeypatch.setattr(losses, "policy_loss", recording_loss)
+    module.optimizers, module.lr_schedulers = _Opt, lambda: None
     module.manual_backward = lambda value: value.backward()
     module.update(rollouts)
     first = torch.cat(ratios[: len(ratios) // 2])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_memrl import MemRLModule
-from lightning_memrl.grpo import entropy_from_logits
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
+from lightning_memrl.losses import entropy_from_logits
 from lightning_memrl.models import LoraSettings
 
 

@@ -17,8 +17,9 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskSettings,
 )
+from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks import MemRLCallback
-from lightning_memrl.module import micro_batches
+from lightning_memrl.learner import micro_batches
 
 
 def _data(**kwargs):
@@ -128,8 +129,7 @@ def _grads_after_update(micro_batch_tokens, aggregation):
     tasks.setup()
     rollouts = module.rollout([t for t in tasks.train_tasks[:2] for _ in range(2)], module.generation)
     rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    rollouts.trajectory_advantages = module.compute_advantages(rollouts)
-    rollouts.advantages = rollouts.trajectory_advantages[rollouts.turn_to_trajectory][:, None] * rollouts.response_mask
+    assign_advantages(rollouts, module.advantage)
 
     class _Opt:  # capture gradients instead of stepping
         param_groups = [{"lr": 0.0}]
@@ -158,17 +158,24 @@ def test_micro_batch_split_does_not_change_the_gradient(aggregation):
     assert stats_whole["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
 
 
-class FixedAdvantages(MemRLModule):
-    """A user subclass: every trajectory gets +1, so the loss is the negated mean ratio."""
+class FixedAdvantages(AdvantageEstimator):
+    """A user estimator: every trajectory gets +1, so the loss is the negated mean ratio."""
 
-    def compute_advantages(self, rollouts):
-        self.overridden = True
-        return torch.ones(rollouts.num_trajectories)
+    def from_rewards(self, rewards, group_size):
+        self.calls = getattr(self, "calls", 0) + 1
+        return torch.ones(rewards.shape[0])
 
 
-def test_subclass_overrides_compute_advantages(tmp_path):
-    module = FixedAdvantages(
+def test_default_advantage_is_grpo_group_relative():
+    advantage = MemRLModule().advantage
+    assert type(advantage) is GroupRelative and (advantage.scale_rewards, advantage.eps) == ("group", 1e-4)
+
+
+def test_advantage_estimator_from_init_arg(tmp_path):
+    estimator = FixedAdvantages()
+    module = MemRLModule(
         workflow=MemAgentWorkflow(max_memory_tokens=8),
+        advantage=estimator,
         grpo=GRPOSettings(group_size=2),
         generation=GenerationSettings(max_new_tokens=8),
         optimizer=OptimizerSettings(lr=1e-3),
@@ -180,7 +187,7 @@ def test_subclass_overrides_compute_advantages(tmp_path):
             seen.append(rollouts.advantages[rollouts.response_mask.bool()].unique().tolist())
 
     _trainer(tmp_path, steps=1, callbacks=[Spy()]).fit(module, _data())
-    assert module.overridden and seen == [[1.0]]
+    assert estimator.calls == 1 and seen == [[1.0]]
     # on-policy ratio is 1 everywhere, so token_mean loss of A=+1 is exactly -1
     assert module.trainer.logged_metrics["train/loss"].item() == pytest.approx(-1.0, abs=1e-5)
 
@@ -216,3 +223,21 @@ def test_gradient_checkpointing_with_lora_trains(tmp_path):
     _trainer(tmp_path, steps=1).fit(module, _data())
     after = dict(module.policy.named_parameters())
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_learner_does_not_import_the_module_and_the_update_files_stay_small():
+    import ast
+    import inspect
+
+    from lightning_memrl import advantages, learner, losses
+    from lightning_memrl import module as module_file
+
+    source = inspect.getsource(learner)
+    imported = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
+    assert "lightning_memrl.module" not in imported and "TYPE_CHECKING" not in source
+    assert len(inspect.getsourcelines(MemRLModule)[0]) <= 350
+    for file in (learner, losses, advantages, module_file):
+        text = inspect.getsource(file)
+        assert len(text.splitlines()) <= 400, file.__name__
+        functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)]
+        assert [f.name for f in functions if f.end_lineno - f.lineno + 1 > 60] == [], file.__name__

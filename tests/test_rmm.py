@@ -130,18 +130,18 @@ def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
     assert len(trajectory.info["shown_ids"]) == 2 and trajectory.info["citation_rewards"] == [1.0, -1.0]
     shown_prompt = engine.calls[-1][0]
     assert "[1]" in shown_prompt and "[2]" in shown_prompt and "[3]" not in shown_prompt.split("Question")[0]
-    loss, metrics = workflow.auxiliary_loss(None)
+    loss, metrics = workflow.module_loss(None), workflow.step_metrics(None)
     assert loss.requires_grad and metrics["reranker/citation_reward"] == 0.0
     loss.backward()
     assert workflow.reranker.query_adapter.weight.grad.abs().sum() > 0
-    assert workflow.auxiliary_loss(None) is None  # consumed
+    assert workflow.module_loss(None) is None and workflow.step_metrics(None) == {}  # taken
     assert workflow.baseline == pytest.approx(0.0)  # 0.9 * 0 + 0.1 * mean reward 0
     metrics = workflow.evaluation_metrics(trajectory)
     assert metrics["evidence_recall_at_k"] == 1.0  # D3:1 and D1:2 are both among the 3 candidates
     assert metrics["citation_reward"] == 0.0
     with torch.no_grad():
         workflow.rollout(engine, [tasks[3]], GREEDY)
-    assert workflow.auxiliary_loss(None) is None  # evaluation trains nothing
+    assert workflow.module_loss(None) is None and workflow.step_metrics(None) == {}  # evaluation trains nothing
 
 
 class _Scripted(L.Callback):

@@ -19,7 +19,7 @@ from lightning_memrl import (
     MemRLDataModule,
     MemRLModule,
     OptimizerSettings,
-    SyntheticTaskConfig,
+    SyntheticTaskSettings,
 )
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.models import build_tiny_model
@@ -60,7 +60,7 @@ def _module(rollout) -> MemRLModule:
 
 def _data() -> MemRLDataModule:
     return MemRLDataModule(
-        batch_size=1, synthetic=SyntheticTaskConfig(num_tasks=4, min_chunks=1, max_chunks=1, sentences_per_chunk=1)
+        batch_size=1, synthetic=SyntheticTaskSettings(num_tasks=4, min_chunks=1, max_chunks=1, sentences_per_chunk=1)
     )
 
 

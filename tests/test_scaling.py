@@ -20,6 +20,7 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskSettings,
 )
+from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.models import QuantizationSettings, build_tiny_model, load_policy, resolve_attn_implementation
 
 
@@ -178,9 +179,7 @@ def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None, 
         torch.manual_seed(0)
         rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
         rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-        rollouts.trajectory_advantages = module.compute_advantages(rollouts)
-        per_turn = rollouts.trajectory_advantages[rollouts.turn_to_trajectory]
-        rollouts.advantages = per_turn[:, None] * rollouts.response_mask
+        assign_advantages(rollouts, module.advantage)
 
     captured = {}
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_memrl import MemRLModule
+from lightning_memrl.learner import update_prefix_groups
 from lightning_memrl.models import LoraSettings
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.rollout.prefix import shared_prefix_groups
@@ -101,7 +102,7 @@ def test_update_shares_prefixes_exactly_values_and_gradients(tiny_tokenizer, lor
         for param in module.policy.parameters():  # LoRA B starts at 0: move it so adapters matter
             if param.requires_grad:
                 param.data.add_(0.05 * torch.randn_like(param))
-        groups = module._update_prefix_groups(prompts)
+        groups = update_prefix_groups(module, prompts)
         assert bool(groups) == share and (not share or sorted(len(r) for _, r in groups) == [1, 3])
         logprobs, entropy = module.sequence_logprobs(module.policy, prompts, response, mask, with_entropy=True)
         (logprobs * mask).sum().backward()

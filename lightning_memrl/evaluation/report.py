@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_memrl.types import RolloutBatch
+from lightning_memrl import distributed
+from lightning_memrl.evaluation.metrics import bleu1
+from lightning_memrl.rewards import answer_from_completion, exact_match, token_f1
+from lightning_memrl.types import RolloutBatch, Trajectory
 
 
 def evaluation_report(records: list[tuple], **info: Any) -> dict[str, Any]:
@@ -163,3 +167,38 @@ def prediction_row(trajectory: Any, answer: str, em: float) -> dict[str, Any]:
         "answer": answer,
         "exact_match": em,
     }
+
+
+@dataclass
+class EvaluationLog:
+    """One evaluation epoch's tasks: their records for :func:`evaluation_report` and their prediction rows."""
+
+    records: list[tuple[int, float, float, dict[str, Any]]] = field(default_factory=list)  # (chunks, EM, F1, extras)
+    predictions: list[dict[str, Any]] = field(default_factory=list)  # rows of eval_predictions_step<N>.jsonl
+
+    def add(self, trajectory: Trajectory, answer_pattern: str | None, workflow: Any) -> tuple[float, float]:
+        """Score the trajectory's answer (exact match, token F1, BLEU-1, the workflow's ``evaluation_metrics``).
+
+        Returns:
+            Its exact match and F1.
+        """
+        answer = answer_from_completion(trajectory.final_text, answer_pattern)
+        answers = trajectory.task.answers
+        em, f1 = exact_match(answer, answers), token_f1(answer, answers)
+        extras = {"category": trajectory.task.meta.get("category"), "bleu1": bleu1(answer, answers)}
+        extras.update(workflow.evaluation_metrics(trajectory))
+        self.records.append((len(trajectory.chunks), em, f1, extras))
+        self.predictions.append(prediction_row(trajectory, answer, em))
+        return em, f1
+
+    def write(self, step: int, model: str, log_dir: str, is_global_zero: bool) -> None:
+        """Gather every rank's tasks; global rank 0 prints the report and writes its files.
+
+        Next to ``eval_report_step<N>.json`` (overall, by number of chunks, by category),
+        ``eval_predictions_step<N>.jsonl`` holds one line per task: question, gold answers, the memory
+        after each turn, the completion and its score.
+        """
+        records = distributed.gather_objects(self.records)
+        predictions = distributed.gather_objects(self.predictions)
+        if records and is_global_zero:
+            write_evaluation(evaluation_report(records, step=step, model=model), predictions, log_dir)

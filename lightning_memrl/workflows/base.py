@@ -136,10 +136,14 @@ class Workflow:
         their parameters reach the optimizer (lr ``module_lr``) and the checkpoint."""
         return {}
 
-    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
-        """A loss for :meth:`torch_modules` from the last training rollout (or None), with metrics to
-        log (``train/<name>``); backpropagated before the policy's first optimizer step."""
+    def module_loss(self, rollouts: RolloutBatch) -> Tensor | None:
+        """A loss for :meth:`torch_modules` from the last training rollout, or None; ``MemRLModule``
+        backpropagates it, so its gradients join the policy's first optimizer step."""
         return None
+
+    def step_metrics(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """Numbers about the last training rollout, only logged (as ``train/<name>``), never trained on."""
+        return {}
 
     def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
         """Extra per-task numbers for the evaluation report (e.g. evidence recall)."""

@@ -29,8 +29,6 @@ import re
 from collections import Counter
 from typing import Any
 
-from torch import Tensor
-
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
 from lightning_memrl.memory.bank import MemoryBank, MemoryBankError
@@ -276,16 +274,16 @@ class MemoryR1Workflow(BankWorkflow):
         return answer_part(response)
 
     # ------------------------------------------------------------------ metrics and state
-    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
-        """No extra loss; logs the manager's operation mix and invalid-output rate of the step."""
+    def step_metrics(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """The manager's operation mix and invalid-output rate of the last training rollout (taken)."""
         counts, self._step_counts = self._step_counts, Counter()
         if not counts:
-            return None
+            return {}
         facts = max(counts["facts"], 1)
         metrics = {f"manager/{op.lower()}_frac": counts[op] / facts for op in ("ADD", "UPDATE", "DELETE", "NOOP")}
         metrics["manager/invalid_frac"] = counts["invalid"] / facts
         metrics["manager/facts"] = float(counts["facts"])
-        return None, metrics
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "facts": self._facts_cache}

@@ -12,7 +12,7 @@ dot-product scores — keeps ``top_m`` of them (M), sampled with Gumbel noise du
 the best M at evaluation. The generator answers and cites the memories it used; each shown memory
 gets a citation reward (+1 cited, −1 not), and the reranker is trained by REINFORCE,
 ``loss = −Σ_i (r_i − b)·log softmax(s/τ)_i`` with a running-mean baseline ``b``. That loss is the
-workflow's :meth:`auxiliary_loss`: ``MemRLModule`` backpropagates it in the same training step, and
+workflow's :meth:`module_loss`: ``MemRLModule`` backpropagates it in the same training step, and
 the reranker is registered as a module, so its parameters are in the optimizer and the checkpoint.
 The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
 
@@ -212,7 +212,8 @@ class RMMWorkflow(BankWorkflow):
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
         self.reflect_template, self.merge_template = reflect_template, merge_template
         self._selections: list[tuple[Tensor, Tensor] | None] = []  # (scores [K], chosen [M]) of the last answers
-        self._pending: tuple[Tensor | None, dict[str, float]] | None = None
+        self._pending_loss: Tensor | None = None  # of the last training rollout, until module_loss takes it
+        self._pending_metrics: dict[str, float] = {}  # of the last training rollout, until step_metrics takes them
 
     def torch_modules(self) -> dict[str, nn.Module]:
         return {"reranker": self.reranker}
@@ -326,10 +327,10 @@ class RMMWorkflow(BankWorkflow):
         return _strip_citations(answer_part(response))
 
     def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
-        """The bank workflow's rollout; a training rollout also readies the reranker's loss (:meth:`auxiliary_loss`)."""
+        """The bank workflow's rollout; a training rollout also readies the reranker's loss (:meth:`module_loss`)."""
         trajectories = super().rollout(engine, tasks, settings)
         if settings.temperature > 0:
-            self._pending = self._reranker_update(trajectories)
+            self._pending_loss, self._pending_metrics = self._reranker_update(trajectories)
         return trajectories
 
     def _reranker_update(self, trajectories: list[Trajectory]) -> tuple[Tensor | None, dict[str, float]]:
@@ -356,10 +357,15 @@ class RMMWorkflow(BankWorkflow):
             self.baseline = self.baseline_momentum * self.baseline + (1 - self.baseline_momentum) * mean_reward
         return (torch.stack(losses).mean() if losses else None), metrics
 
-    def auxiliary_loss(self, rollouts: RolloutBatch) -> tuple[Tensor | None, dict[str, float]] | None:
-        """The reranker's REINFORCE loss of the last training rollout and its metrics."""
-        pending, self._pending = self._pending, None
-        return pending
+    def module_loss(self, rollouts: RolloutBatch) -> Tensor | None:
+        """The reranker's REINFORCE loss of the last training rollout (taken: a second call gives None)."""
+        loss, self._pending_loss = self._pending_loss, None
+        return loss
+
+    def step_metrics(self, rollouts: RolloutBatch) -> dict[str, float]:
+        """The reranker's loss, citation reward, baseline and cited fraction of the last training rollout (taken)."""
+        metrics, self._pending_metrics = self._pending_metrics, {}
+        return metrics
 
     # ------------------------------------------------------------------ evaluation and state
     def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:

@@ -1,4 +1,4 @@
-"""Unit tests of lightning_memrl.grpo against numbers worked out by hand in the comments."""
+"""Unit tests of lightning_memrl.losses against numbers worked out by hand in the comments."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
-from lightning_memrl.grpo import (
+from lightning_memrl.losses import (
     clipped_surrogate,
     entropy_from_logits,
-    group_advantages,
     kl_penalty,
     loss_token_weights,
     masked_mean,
@@ -22,106 +21,6 @@ NAN = float("nan")
 def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
     expected = torch.as_tensor(expected, dtype=actual.dtype)
     torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-6)
-
-
-# --------------------------------------------------------------------------- group_advantages
-def test_group_scale_unbiased_std() -> None:
-    # group 1: [1, 2, 3]: mean 2, centred [-1, 0, 1], unbiased var (1+0+1)/2 = 1, std 1
-    # group 2: [0, 0, 4]: mean 4/3, centred [-4/3, -4/3, 8/3]
-    #   sum of squares 16/9 + 16/9 + 64/9 = 96/9, unbiased var 96/9/2 = 16/3, std 4/sqrt(3)
-    #   -> (-4/3)/(4/sqrt3) = -1/sqrt3 = -0.5773503, (8/3)/(4/sqrt3) = 2/sqrt3 = 1.1547005
-    adv = group_advantages(torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0]), group_size=3, scale_rewards="group", eps=0.0)
-    close(adv, [-1.0, 0.0, 1.0, -0.5773503, -0.5773503, 1.1547005])
-
-
-def test_group_scale_eps_is_added_to_std() -> None:
-    # [1, 2, 3] -> centred [-1, 0, 1], std 1; with eps = 0.5 the divisor is 1.5
-    adv = group_advantages(torch.tensor([1.0, 2.0, 3.0]), group_size=3, scale_rewards="group", eps=0.5)
-    close(adv, [-2.0 / 3.0, 0.0, 2.0 / 3.0])
-    # default eps 1e-4: -1 / 1.0001 = -0.99990001
-    adv = group_advantages(torch.tensor([1.0, 2.0, 3.0]), group_size=3)
-    close(adv, [-0.99990001, 0.0, 0.99990001])
-
-
-def test_group_scale_is_default() -> None:
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    assert torch.equal(group_advantages(rewards, 2), group_advantages(rewards, 2, "group"))
-
-
-def test_batch_scale_mean_per_group_std_over_batch() -> None:
-    # same rewards as above; centred per group: [-1, 0, 1, -4/3, -4/3, 8/3]
-    # batch std over all six rewards 1, 2, 3, 0, 0, 4: mean 10/6 = 5/3
-    #   deviations -2/3, 1/3, 4/3, -5/3, -5/3, 7/3; squares (4+1+16+25+25+49)/9 = 120/9 = 40/3
-    #   unbiased var 40/3/5 = 8/3, std sqrt(8/3) = 1.6329932, 1/std = sqrt(3/8) = 0.6123724
-    # -> [-0.6123724, 0, 0.6123724, -4/3*0.6123724 = -0.8164966, -0.8164966, 8/3*0.6123724 = 1.6329932]
-    adv = group_advantages(torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0]), group_size=3, scale_rewards="batch", eps=0.0)
-    close(adv, [-0.6123724, 0.0, 0.6123724, -0.8164966, -0.8164966, 1.6329932])
-
-
-def test_batch_scale_all_equal_batch_gives_zero() -> None:
-    adv = group_advantages(torch.tensor([2.0, 2.0, 2.0, 2.0]), group_size=2, scale_rewards="batch")
-    assert torch.equal(adv, torch.zeros(4))
-
-
-def test_none_scale_only_centres() -> None:
-    # [1, 2, 3] - 2 = [-1, 0, 1]; [0, 0, 4] - 4/3 = [-4/3, -4/3, 8/3]
-    adv = group_advantages(torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0]), group_size=3, scale_rewards="none")
-    close(adv, [-1.0, 0.0, 1.0, -4.0 / 3.0, -4.0 / 3.0, 8.0 / 3.0])
-
-
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_all_equal_group_is_exactly_zero(scale: str) -> None:
-    # group 1 all equal to 0.7 -> exactly 0 (not a tiny number, not NaN); group 2 varies
-    adv = group_advantages(torch.tensor([0.7, 0.7, 0.7, 0.0, 1.0, 1.0]), group_size=3, scale_rewards=scale)
-    assert torch.equal(adv[:3], torch.zeros(3))
-    assert not torch.isnan(adv).any()
-    assert adv[3] < 0 < adv[4]
-
-
-def test_nan_reward_excluded_from_group_stats() -> None:
-    # group [1, NaN, 3, 5]: valid 1, 3, 5 -> mean 3, centred [-2, ., 0, 2]
-    # unbiased var (4 + 0 + 4)/2 = 4, std 2 -> [-1, 0 (NaN), 0, 1]
-    adv = group_advantages(torch.tensor([1.0, NAN, 3.0, 5.0]), group_size=4, scale_rewards="group", eps=0.0)
-    close(adv, [-1.0, 0.0, 0.0, 1.0])
-    assert adv[1].item() == 0.0
-    # "none": centred only -> [-2, 0, 0, 2]
-    adv = group_advantages(torch.tensor([1.0, NAN, 3.0, 5.0]), group_size=4, scale_rewards="none")
-    close(adv, [-2.0, 0.0, 0.0, 2.0])
-
-
-def test_nan_reward_excluded_from_batch_std() -> None:
-    # groups [0, 2] and [4, NaN] (group_size 2)
-    # group 1: mean 1, centred [-1, 1]; group 2 has a single valid reward -> 0, 0
-    # batch std over valid 0, 2, 4: mean 2, var (4+0+4)/2 = 4, std 2 -> [-0.5, 0.5, 0, 0]
-    adv = group_advantages(torch.tensor([0.0, 2.0, 4.0, NAN]), group_size=2, scale_rewards="batch", eps=0.0)
-    close(adv, [-0.5, 0.5, 0.0, 0.0])
-
-
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_single_valid_reward_gets_zero(scale: str) -> None:
-    # group 1: only 7 is valid -> both 0; group 2 all NaN -> both 0; group 3 normal
-    adv = group_advantages(torch.tensor([NAN, 7.0, NAN, NAN, 0.0, 1.0]), group_size=2, scale_rewards=scale)
-    assert torch.equal(adv[:4], torch.zeros(4))
-    assert adv[4] < 0 < adv[5]
-
-
-def test_group_advantages_bad_arguments() -> None:
-    with pytest.raises(ValueError):
-        group_advantages(torch.zeros(5), group_size=2)  # not a multiple
-    with pytest.raises(ValueError):
-        group_advantages(torch.zeros(2, 2), group_size=2)  # not 1-D
-    with pytest.raises(ValueError):
-        group_advantages(torch.zeros(4), group_size=2, scale_rewards="std")  # type: ignore[arg-type]
-
-
-def test_group_advantages_zero_group_size_is_value_error() -> None:
-    with pytest.raises(ValueError):
-        group_advantages(torch.zeros(4), group_size=0)
-
-
-def test_group_advantages_accepts_integer_rewards() -> None:
-    adv = group_advantages(torch.tensor([0, 1]), group_size=2, scale_rewards="none")
-    close(adv, [-0.5, 0.5])
 
 
 # --------------------------------------------------------------------------- loss_token_weights

@@ -1,69 +1,22 @@
-"""GRPO math: advantages, loss weights, clipped surrogate, KL estimators and entropy.
+"""The policy loss: loss aggregation weights, PPO's clipped surrogate, KL estimators, entropy.
 
 Every function here is pure (tensors in, tensors out) so it can be tested on hand-computed
 numbers. Shapes use these names:
 
-* ``N``: trajectories in the batch (``num_tasks * group_size``), grouped contiguously.
 * ``M``: turns (conversations) in the batch; every trajectory has one or more turns.
 * ``T``: padded response length of a turn.
+* ``B``, ``R``: the rows and the response width of one micro-batch.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-ScaleRewards = Literal["group", "batch", "none"]
-LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "rollout_mean"]
-KLEstimator = Literal["k1", "k3", "low_var_kl"]
+from lightning_memrl.settings import GRPOSettings, KLEstimator, LossAggregation
 
 LOG_RATIO_CLAMP = 20.0  # as verl: keeps exp() finite when the policy moved far from the old one
 LOW_VAR_KL_CLAMP = 10.0  # verl's bound on the k3 estimate ("low_var_kl")
-
-
-def group_advantages(
-    rewards: Tensor,  # [N], NaN (or ±inf) marks a reward that could not be computed
-    group_size: int,
-    scale_rewards: ScaleRewards = "group",
-    eps: float = 1e-4,
-) -> Tensor:  # [N]
-    """GRPO advantages: reward minus its group's mean, optionally divided by a std.
-
-    Args:
-        rewards: one reward per trajectory; the ``group_size`` members of a group are contiguous.
-            NaN and ±inf rewards are left out of their group's mean and std and get advantage 0.
-            Statistics are computed in float64, so rewards as large as 1e30 keep their advantages.
-        group_size: members per group.
-        scale_rewards: ``group`` divides by the group's std (GRPO), ``batch`` by the std of all
-            valid rewards in the batch (the mean stays per group), ``none`` does not divide
-            (Dr. GRPO).
-        eps: added to the std so a zero-variance group gives 0, not NaN.
-
-    Returns:
-        One advantage per trajectory (float32). A group whose valid rewards are all equal gets 0.
-    """
-    if group_size < 1 or rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries")
-    r = rewards.double().view(-1, group_size)  # [N/G, G]; float32 squares overflow above ~1e19
-    valid = torch.isfinite(r)
-    count = valid.sum(-1, keepdim=True)  # [N/G, 1]
-    filled = torch.where(valid, r, torch.zeros_like(r))
-    mean = filled.sum(-1, keepdim=True) / count.clamp(min=1)
-    centered = torch.where(valid, r - mean, torch.zeros_like(r))
-    if scale_rewards == "group":
-        # unbiased std, as torch.std (TRL); a group with a single valid reward has no spread
-        var = (centered**2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
-        centered = centered / (var.sqrt() + eps)
-    elif scale_rewards == "batch":
-        flat = r[valid]
-        std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=r.dtype)
-        centered = centered / (std + eps)
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
-    centered = torch.where(count > 1, centered, torch.zeros_like(centered))
-    return centered.view(-1).float()
 
 
 def loss_token_weights(
@@ -170,3 +123,33 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` over positions where ``mask`` is set (0 when none is)."""
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp(min=1)
+
+
+def policy_loss(
+    g: GRPOSettings,
+    logprobs: Tensor,  # [B, R]
+    old_logprobs: Tensor,  # [B, R]
+    ref_logprobs: Tensor | None,  # [B, R]
+    advantages: Tensor,  # [B, R]
+    weights: Tensor,  # [B, R] aggregation weights over the whole batch
+    entropy: Tensor | None,  # [B, R]
+    mask: Tensor,  # [B, R]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate + β·KL − entropy bonus, aggregated by ``weights``.
+
+    Returns the micro-batch's share of the batch loss and sums for metrics.
+    """
+    token_loss, clipped, dual_clipped = clipped_surrogate(
+        logprobs, old_logprobs, advantages, g.clip_low, g.clip_high, g.dual_clip
+    )
+    stats = {"clip_frac": (clipped & mask).sum(), "dual_clip_frac": (dual_clipped & mask).sum()}
+    if ref_logprobs is not None and g.kl_coef > 0:
+        kl = kl_penalty(logprobs, ref_logprobs, g.kl_estimator)
+        token_loss = token_loss + g.kl_coef * kl
+        stats["kl"] = (kl.detach() * mask).sum()
+    if entropy is not None:
+        if g.entropy_coef:
+            token_loss = token_loss - g.entropy_coef * entropy
+        stats["entropy"] = (entropy.detach() * mask).sum()
+    loss = (token_loss * weights).sum()
+    return loss, stats
