@@ -10,6 +10,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
 from lightning_memrl.module import MemRLModule
+from lightning_memrl.plot import main as plot_main
 
 
 def build_cli(args: list[str] | None = None) -> LightningCLI:
@@ -31,8 +32,6 @@ def main() -> None:
     ``lightning-memrl plot LOG_DIR`` turns CSV logs and evaluation reports into PNG charts.
     """
     if len(sys.argv) > 1 and sys.argv[1] == "plot":
-        from lightning_memrl.plot import main as plot_main
-
         plot_main(sys.argv[2:])
         return
     try:

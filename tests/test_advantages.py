@@ -141,7 +141,7 @@ def _batch(rewards: list[float], group_size: int, turns: list[int]) -> RolloutBa
         response_mask=torch.tensor([[1, 1, 0]] * num_turns),
         rollout_logprobs=torch.zeros(num_turns, 3),
         turn_to_trajectory=torch.tensor(turns),
-        memory_tokens_mask=torch.zeros(num_turns, dtype=torch.bool),
+        memory_turns=torch.zeros(num_turns, dtype=torch.bool),
         truncated=torch.zeros(num_turns, dtype=torch.bool),
         rewards=torch.tensor(rewards),
     )

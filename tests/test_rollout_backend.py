@@ -76,11 +76,11 @@ def test_sync_weights_follows_every_optimizer_step(tmp_path):
     assert all(model is module.policy for _, model in module.engine.synced)
 
 
-def test_a_skipped_step_is_not_synced(tmp_path):
+def test_a_skipped_step_is_not_synced(tmp_path, monkeypatch):
     module = _module(CountingEngine)
     module.configure_model()
     module.engine.module = module
-    _nan_loss(module, {1})  # the second optimizer step (batch 0, epoch 1) has a NaN loss and is skipped
+    _nan_loss(monkeypatch, module, {1})  # the second optimizer step (batch 0, epoch 1) has a NaN loss and is skipped
     trainer = quiet_trainer(tmp_path, steps=4)
     trainer.fit(module, _data())
     assert trainer.global_step == 4
