@@ -286,12 +286,7 @@ class MemRLModule(L.LightningModule):
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: list[Task], batch_idx: int) -> None:
         """Greedy rollouts scored by exact match, token F1 and the training reward."""
-        settings = GenerationSettings(
-            temperature=0.0,
-            max_new_tokens=self.val_max_new_tokens or self.generation.max_new_tokens,
-            stop_strings=self.generation.stop_strings,
-            max_prompt_length=self.generation.max_prompt_length,
-        )
+        settings = self.generation.greedy(self.val_max_new_tokens)
         with torch.no_grad():
             rollouts = self.rollout(list(batch), settings)
         self.score(rollouts)

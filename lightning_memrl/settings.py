@@ -176,3 +176,16 @@ class GenerationSettings:
         check_option(p + "top_p", self.top_p, 0.0, 1.0, low_open=True, why="1 disables nucleus sampling")
         check_option(p + "top_k", self.top_k, 0, why="0 disables top-k")
         check_option(p + "max_new_tokens", self.max_new_tokens, 1)
+
+    def greedy(self, max_new_tokens: int | None = None) -> GenerationSettings:
+        """These settings without sampling (validation, frozen agents): the same caps and stop strings.
+
+        Args:
+            max_new_tokens: another answer cap (default: this one).
+        """
+        return GenerationSettings(
+            temperature=0.0,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            max_prompt_length=self.max_prompt_length,
+            stop_strings=self.stop_strings,
+        )

@@ -205,16 +205,6 @@ class BankWorkflow(Workflow):
         """Which model ``engine`` generates with (for logs)."""
         return engine_description(engine)
 
-    @staticmethod
-    def greedy(settings: GenerationSettings) -> GenerationSettings:
-        """``settings`` without sampling (frozen parts and validation)."""
-        return GenerationSettings(
-            temperature=0.0,
-            max_new_tokens=settings.max_new_tokens,
-            stop_strings=settings.stop_strings,
-            max_prompt_length=settings.max_prompt_length,
-        )
-
     # ------------------------------------------------------------------ to implement
     def build_banks(
         self,
@@ -253,7 +243,7 @@ class BankWorkflow(Workflow):
         if self.banks_are_frozen() or evaluating:
             missing = list({c.id: c for c in conversations if c.id not in self._bank_cache}.values())
             if missing:
-                built = self.build_banks(engine, missing, self.greedy(settings), trainable=False)
+                built = self.build_banks(engine, missing, settings.greedy(), trainable=False)
                 for conversation, (bank, _) in zip(missing, built):
                     self._bank_cache[conversation.id] = bank
             banks = [self._bank_cache[c.id] for c in conversations]
@@ -294,7 +284,7 @@ class BankWorkflow(Workflow):
                 )
             )
         trainable = self.answer_is_trained()
-        gen_settings = settings if trainable or not training else self.greedy(settings)
+        gen_settings = settings if trainable or not training else settings.greedy()
         answerer = self.engine_for(engine, trainable)  # not trained: the frozen model, never the policy
         turns = self.generate_turns(answerer, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
         for trajectory, turn in zip(trajectories, turns):

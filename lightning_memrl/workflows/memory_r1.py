@@ -157,7 +157,7 @@ class MemoryR1Workflow(BankWorkflow):
             self.extract_template.format(date=seg.session.date_time, dialogue=seg.text, max_facts=self.max_facts)
             for _, seg in jobs
         ]
-        gen_settings = settings if trainable else self.greedy(settings)
+        gen_settings = settings if trainable else settings.greedy()
         engine = self.engine_for(engine, self.train_extractor)
         if todo and not trainable:
             log.info("Memory-R1: facts of %d conversations extracted by %s", len(todo), self.describe(engine))
@@ -186,7 +186,7 @@ class MemoryR1Workflow(BankWorkflow):
         segments = [self.segments(c) for c in conversations]
         banks = [self.new_bank() for _ in conversations]
         counts: Counter[str] = Counter()
-        gen_settings = settings if manager_trainable else self.greedy(settings)
+        gen_settings = settings if manager_trainable else settings.greedy()
         manager = self.engine_for(engine, self.stage == "manager")
         for r in range(max((len(s) for s in segments), default=0)):
             jobs = []  # (slot, fact, source ids, ids shown) in application order
