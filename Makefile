@@ -17,13 +17,13 @@ setup: $(BIN)/lightning-memrl
 # SmolLM2-135M-Instruct as a MemAgent: evaluate the base model, train 20 steps (evaluating at 10
 # and 20), plot the curves and the before/after chart.
 train: setup
-	$(BIN)/lightning-memrl validate --config configs/quickstart.yaml
-	$(BIN)/lightning-memrl fit --config configs/quickstart.yaml
+	$(BIN)/lightning-memrl validate --config configs/memagent/quickstart.yaml
+	$(BIN)/lightning-memrl fit --config configs/memagent/quickstart.yaml
 	$(BIN)/lightning-memrl plot logs/quickstart
 
 # A tiny random model on the same kind of tasks: seconds, for a first look at the machinery.
 train-tiny: setup
-	$(BIN)/lightning-memrl fit --config configs/tiny.yaml
+	$(BIN)/lightning-memrl fit --config configs/memagent/tiny.yaml
 
 lint: setup
 	$(BIN)/ruff check .

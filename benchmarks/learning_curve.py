@@ -1,6 +1,6 @@
 """Learning benchmark: held-out accuracy of the base model, training, then accuracy again.
 
-    python benchmarks/learning_curve.py --config configs/quickstart.yaml
+    python benchmarks/learning_curve.py --config configs/memagent/quickstart.yaml
 
 Runs the real CLI three times in a scratch folder (``validate`` on the base model, ``fit``,
 ``validate --ckpt_path last.ckpt``), then writes under ``benchmarks/results/<config>/``: the two
@@ -42,7 +42,7 @@ def newest_report(root: Path) -> tuple[dict, Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/quickstart.yaml", help="config to train and evaluate")
+    parser.add_argument("--config", default="configs/memagent/quickstart.yaml", help="config to train and evaluate")
     parser.add_argument("--max_steps", type=int, default=None, help="override trainer.max_steps")
     parser.add_argument("--val_tasks", type=int, default=None, help="override the number of held-out tasks")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one)")

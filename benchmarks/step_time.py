@@ -1,6 +1,6 @@
 """Step-time breakdown of a config: runs ``lightning-memrl fit`` and reports per-phase medians.
 
-    python benchmarks/step_time.py --config configs/tiny.yaml --steps 8
+    python benchmarks/step_time.py --config configs/memagent/tiny.yaml --steps 8
 
 Writes ``benchmarks/results/step_time_<config>.json``. The first step (warm-up) is left out.
 ``update_s`` includes ``reference_s`` (the reference pass runs inside the update).
@@ -34,7 +34,7 @@ KEYS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.yaml", help="config to time")
+    parser.add_argument("--config", default="configs/memagent/tiny.yaml", help="config to time")
     parser.add_argument("--steps", type=int, default=8, help="training steps (first one is warm-up)")
     args = parser.parse_args()
     config = Path(args.config).resolve()

@@ -1,6 +1,6 @@
 """A user-written advantage estimator (RLOO), chosen from YAML by class path.
 
-Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/tiny.yaml --config
+Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/memagent/tiny.yaml --config
 examples/custom_advantages.yaml``.
 """
 

@@ -1,6 +1,6 @@
 """A user-written reward-shaping callback, composed from YAML.
 
-Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/tiny.yaml --config
+Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/memagent/tiny.yaml --config
 examples/custom_callbacks.yaml``.
 """
 

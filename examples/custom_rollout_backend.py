@@ -7,7 +7,7 @@ backend shows that contract in one file: it generates with a private copy of the
 it is built, and :meth:`SnapshotRolloutEngine.sync_weights` (called by the learner after every
 optimizer step that is not skipped) copies the policy's weights into it.
 
-Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/tiny.yaml
+Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/memagent/tiny.yaml
 --config examples/custom_rollout_backend.yaml``.
 """
 

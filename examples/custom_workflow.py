@@ -5,7 +5,7 @@ chunk adds one line of notes and nothing is ever dropped; the answer turn reads 
 notes after chunk ``k`` are ``trajectory.memories[k]``, so memory callbacks (``MemoryTokenCredit``)
 and memory-aware rewards work with it unchanged.
 
-Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/tiny.yaml --config
+Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/memagent/tiny.yaml --config
 examples/custom_workflow.yaml``.
 """
 

@@ -4,7 +4,7 @@ MemAgent's typical failure is forgetting: a memory turn drops the answer before 
 reads the memory. :class:`MemoryRecall` scores how much of the gold answer survives into the final
 memory, so a group member that kept the answer gets a higher advantage than one that lost it.
 
-Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/tiny.yaml --config
+Use it with ``PYTHONPATH=examples lightning-memrl fit --config configs/memagent/tiny.yaml --config
 examples/memory_recall_reward.yaml``.
 """
 

@@ -14,7 +14,7 @@ import torch
 from lightning_memrl.models import build_tiny_model, build_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "configs" / "tiny.yaml")
+TINY = str(REPO / "configs" / "memagent" / "tiny.yaml")
 
 
 def _cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
@@ -34,7 +34,7 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def _logs(tmp_path: Path) -> Path:
-    """configs/tiny.yaml writes logs and checkpoints under logs/tiny of the working directory."""
+    """configs/memagent/tiny.yaml writes logs and checkpoints under logs/tiny of the working directory."""
     return tmp_path / "logs" / "tiny"
 
 
@@ -153,7 +153,7 @@ def test_advantage_estimator_chosen_from_yaml(tmp_path):
     )
     ckpt = torch.load(_logs(tmp_path) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 1
-    # the example's class replaced configs/tiny.yaml's GroupRelative, whose init_args were dropped with it
+    # the example's class replaced configs/memagent/tiny.yaml's GroupRelative, whose init_args were dropped with it
     assert ckpt["hyper_parameters"]["advantage"] == {"class_path": "custom_advantages.RLOO"}
     rows = list(csv.DictReader(open(next((_logs(tmp_path) / "csv").glob("version_*/metrics.csv")))))
     assert [r["train/advantage_abs"] != "" for r in rows if r.get("train/reward")] == [True]
@@ -232,10 +232,10 @@ def test_validate_writes_report_and_plot_writes_pngs(trained, tmp_path):
 
 
 def test_quickstart_config_resolves_to_the_measured_recipe(tmp_path):
-    """configs/quickstart.yaml parses; the keys its README numbers depend on are what they say."""
+    """configs/memagent/quickstart.yaml parses; the keys its README numbers depend on are what they say."""
     import yaml
 
-    proc = _ok(_cli("fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--print_config", cwd=tmp_path))
+    proc = _ok(_cli("fit", "--config", str(REPO / "configs" / "memagent" / "quickstart.yaml"), "--print_config", cwd=tmp_path))
     config = yaml.safe_load(proc.stdout)
     model = config["model"]["init_args"]
     assert model["model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and model["dtype"] == "auto"

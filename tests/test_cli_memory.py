@@ -1,4 +1,4 @@
-"""configs/memory_r1_locomo.yaml and configs/rmm_locomo.yaml end to end through ``lightning-memrl``.
+"""configs/memory_r1/locomo.yaml and configs/rmm/locomo.yaml end to end through ``lightning-memrl``.
 
 The tiny random model and a tiny LoCoMo fixture replace SmolLM2 and the real data on the command line.
 """
@@ -41,7 +41,7 @@ def test_config_fits_and_validates_with_the_tiny_model(tmp_path, config, workflo
     write_locomo(tmp_path / "data", "conv-a")
     other = json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva"))  # another conversation
     write_locomo(tmp_path / "data", "conv-b", other)  # the last conversation validates, conv-a trains
-    path = str(REPO / "configs" / f"{config}.yaml")
+    path = str(REPO / "configs" / config.removesuffix("_locomo") / "locomo.yaml")
     args = ["--config", path, "--data.init_args.locomo_path", str(tmp_path / "data"), *TINY_MODEL, *workflow_args]
     proc = _ok(_cli("fit", *args, cwd=tmp_path))
     assert "train on 1 conversations ['conv-a'] (3 questions), validate on 1 ['conv-b'] (3 questions)" in proc.stderr
@@ -66,7 +66,7 @@ def test_config_fits_and_validates_with_the_tiny_model(tmp_path, config, workflo
 
 def test_config_validating_on_its_training_questions_is_refused(tmp_path):
     data = write_locomo(tmp_path / "data")
-    path = str(REPO / "configs" / "memory_r1_locomo.yaml")
+    path = str(REPO / "configs" / "memory_r1" / "locomo.yaml")
     args = ["--config", path, "--data.init_args.locomo_path", str(data), *TINY_MODEL]
     proc = _cli("fit", *args, "--data.init_args.locomo_val_conversations", "0", cwd=tmp_path)
     assert proc.returncode == 2
@@ -77,16 +77,19 @@ def test_config_validating_on_its_training_questions_is_refused(tmp_path):
 
 
 def test_memory_workflow_without_locomo_data_says_what_to_set(tmp_path):
-    proc = _cli("fit", "--config", str(REPO / "configs" / "memory_r1_locomo.yaml"), *TINY_MODEL, cwd=tmp_path)
+    proc = _cli("fit", "--config", str(REPO / "configs" / "memory_r1" / "locomo.yaml"), *TINY_MODEL, cwd=tmp_path)
     assert proc.returncode != 0
     assert "--data.init_args.locomo_path" in proc.stderr
 
 
 def test_configs_have_no_local_paths():
-    for name in ("memory_r1_locomo", "rmm_locomo"):
-        text = (REPO / "configs" / f"{name}.yaml").read_text()
-        assert "locomo_path: null" in text  # the user sets the data path
-        assert not re.search(r":\s*['\"]?/", text), "absolute paths do not belong in a config"
+    data = (REPO / "configs" / "shared" / "locomo_data.yaml").read_text()
+    assert "locomo_path: null" in data  # the user sets the data path
+    for config in ("memory_r1", "rmm"):
+        assert "data: ../shared/locomo_data.yaml" in (REPO / "configs" / config / "locomo.yaml").read_text()
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        text = path.read_text()
+        assert not re.search(r":\s*['\"]?/", text), f"{path.name}: absolute paths do not belong in a config"
         for line in text.splitlines():  # a comment on every key that holds a value
             if line.strip() and not line.strip().startswith("#") and not line.rstrip().endswith(":"):
-                assert "#" in line, f"{name}: no comment on {line.strip()!r}"
+                assert "#" in line, f"{path.relative_to(REPO)}: no comment on {line.strip()!r}"

@@ -152,8 +152,8 @@ def test_single_process_helpers_are_no_ops(tiny_model):
 
 def test_multi_node_configs_parse_with_print_config(tmp_path):
     exe = Path(sys.executable).with_name("lightning-memrl")
-    recipe = str(TESTS.parent / "configs" / "memagent_qwen2.5_7b_fsdp.yaml")
-    fsdp1 = str(TESTS.parent / "configs" / "fsdp1_strategy.yaml")
+    recipe = str(TESTS.parent / "configs" / "memagent" / "qwen2.5_7b_fsdp.yaml")
+    fsdp1 = str(TESTS.parent / "configs" / "strategies" / "fsdp1.yaml")
     args = [str(exe), "fit", "--config", recipe, "--trainer.num_nodes", "2", "--print_config"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -123,7 +123,7 @@ def test_cli_refuses_a_judge_url_with_a_key_in_one_message(tmp_path):
     exe = Path(sys.executable).with_name("lightning-memrl")
     judge = "{class_path: lightning_memrl.evaluation.judge.LLMJudge, init_args: {base_url: 'http://u:sk-SECRET@h/v1', "
     judge += "model: m}}"
-    config = Path(__file__).resolve().parents[1] / "configs" / "memory_r1_locomo.yaml"
+    config = Path(__file__).resolve().parents[1] / "configs" / "memory_r1" / "locomo.yaml"
     args = [str(exe), "fit", "--config", str(config), "--model.init_args.workflow.init_args.judge", judge]
     proc = subprocess.run(args, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2

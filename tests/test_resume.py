@@ -18,7 +18,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = str(REPO / "configs" / "tiny.yaml")
+TINY = str(REPO / "configs" / "memagent" / "tiny.yaml")
 EXE = str(Path(sys.executable).with_name("lightning-memrl"))
 
 

@@ -1,4 +1,4 @@
-"""configs/tiny.yaml's reward shaping fires on the tiny model, by the amount worked out by hand."""
+"""configs/memagent/tiny.yaml's reward shaping fires on the tiny model, by the amount worked out by hand."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from lightning_memrl import (
 from lightning_memrl.callbacks import MemRLCallback, OverlongPenalty
 from lightning_memrl.rewards import ExactMatch
 
-TINY = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").read_text())
+TINY = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "memagent" / "tiny.yaml").read_text())
 
 
 def _tiny_callback_args(name: str) -> dict:
