@@ -235,7 +235,9 @@ def test_quickstart_config_resolves_to_the_measured_recipe(tmp_path):
     """configs/memagent/quickstart.yaml parses; the keys its README numbers depend on are what they say."""
     import yaml
 
-    proc = _ok(_cli("fit", "--config", str(REPO / "configs" / "memagent" / "quickstart.yaml"), "--print_config", cwd=tmp_path))
+    proc = _ok(
+        _cli("fit", "--config", str(REPO / "configs" / "memagent" / "quickstart.yaml"), "--print_config", cwd=tmp_path)
+    )
     config = yaml.safe_load(proc.stdout)
     model = config["model"]["init_args"]
     assert model["model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and model["dtype"] == "auto"

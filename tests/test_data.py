@@ -607,7 +607,9 @@ def test_val_dataloader_keeps_order_and_last_batch():
 def test_synthetic_settings_keep_their_yaml_keys():
     """``data.init_args.synthetic`` / ``synthetic_val`` of a config become :class:`SyntheticTaskSettings`."""
     assert "SyntheticTaskSettings" in lightning_memrl.__all__ and not hasattr(lightning_memrl, "SyntheticTaskConfig")
-    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "memagent" / "tiny.yaml").read_text())["data"]["init_args"]
+    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "memagent" / "tiny.yaml").read_text())["data"][
+        "init_args"
+    ]
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(MemRLDataModule, "data")
     dm = parser.instantiate_classes(parser.parse_object({"data": config})).data

@@ -66,7 +66,13 @@ def test_memagent_names_the_task_whose_question_is_too_long(tiny_model, tiny_tok
 # --------------------------------------------------------------------------- the real command
 def _fit(tmp_path: Path, train_file: Path) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("lightning-memrl")
-    args = ["fit", "--config", str(REPO / "configs" / "memagent" / "tiny.yaml"), "--data.init_args.train_path", str(train_file)]
+    args = [
+        "fit",
+        "--config",
+        str(REPO / "configs" / "memagent" / "tiny.yaml"),
+        "--data.init_args.train_path",
+        str(train_file),
+    ]
     args += ["--trainer.max_steps", "1"]
     return subprocess.run([str(exe), *args], cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True)
 
