@@ -8,8 +8,8 @@ import lightning as L
 import torch
 
 from lightning_memrl.callbacks.base import MemRLCallback
+from lightning_memrl.credit.answer_presence import holds_answer
 from lightning_memrl.errors import ConfigError
-from lightning_memrl.rewards import normalize_answer
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory
 
 
@@ -19,15 +19,11 @@ def memory_write_credits(trajectory: Trajectory) -> list[float]:
     +1 when the memory holds a gold answer; -1 when a chunk read so far held it but the memory
     does not (the write lost it); 0 when no chunk read so far held it (nothing to keep yet).
     """
-    answers = [f" {a} " for a in map(normalize_answer, trajectory.task.answers) if a]
-
-    def holds(text: str) -> bool:  # whole-word match: "10" is not found in "100"
-        return any(a in f" {normalize_answer(text)} " for a in answers)
-
+    answers = trajectory.task.answers
     credits, seen = [], False
     for chunk, memory in zip(trajectory.chunks, trajectory.memories):
-        seen = seen or holds(chunk)
-        if holds(memory):
+        seen = seen or holds_answer(chunk, answers)
+        if holds_answer(memory, answers):
             credits.append(1.0)
         else:
             credits.append(-1.0 if seen else 0.0)
