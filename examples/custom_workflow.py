@@ -12,7 +12,7 @@ examples/custom_workflow.yaml``.
 from __future__ import annotations
 
 from lightning_memrl.errors import check_placeholders
-from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import MEMORY_TURN, Task, Trajectory, Turn
 from lightning_memrl.workflows.base import (
@@ -59,7 +59,7 @@ class AppendNotesWorkflow(Workflow):
         self.note_tokens, self.chunk_tokens, self.max_chunks = note_tokens, chunk_tokens, max_chunks
         self.note_template, self.answer_template = note_template, answer_template
 
-    def rollout(self, engine: RolloutEngine, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         tokenizer = engine.tokenizer
         trajectories = chunked_trajectories(tasks, tokenizer, self.chunk_tokens, self.max_chunks)
         for k in range(max(len(t.chunks) for t in trajectories)):
