@@ -30,6 +30,67 @@ def memory_write_credits(trajectory: Trajectory) -> list[float]:
     return credits
 
 
+def require_memory_per_chunk(pl_module: L.LightningModule, method: str, why: str) -> None:
+    """Raise :class:`ConfigError` when ``pl_module.workflow`` does not write one memory per chunk.
+
+    Args:
+        pl_module: the module being set up (its ``workflow`` is checked when it has one).
+        method: the class name in the message.
+        why: what the method reads of each memory turn, for the message.
+    """
+    workflow = getattr(pl_module, "workflow", None)
+    if workflow is not None and not getattr(workflow, "memory_per_chunk", False):
+        raise ConfigError(
+            f"{method} cannot credit the memory turns of {type(workflow).__name__}: {why}, and this workflow "
+            "records no such memory per turn (memory_per_chunk is False; a memory-bank workflow's memory turns "
+            "are operations). Remove the callback for this workflow."
+        )
+
+
+def memory_turn_rows(rollouts: RolloutBatch, values: list[list[float]], method: str) -> torch.Tensor:
+    """Spread per-memory-turn values onto the batch's rows: ``[M]``, 0.0 on rows of other turns.
+
+    Args:
+        rollouts: the step's batch (rows are the trainable turns, in trajectory order).
+        values: for each trajectory, one value per memory turn (frozen ones included), in turn order.
+        method: the class name in the error message.
+
+    Raises:
+        ValueError: a trajectory whose count of values differs from its count of memory turns.
+    """
+    rows = torch.zeros(rollouts.response_ids.shape[0])
+    row = 0
+    for index, (trajectory, turn_values) in enumerate(zip(rollouts.trajectories, values)):
+        memory_turns = [t for t in trajectory.turns if t.kind == MEMORY_TURN]
+        if len(turn_values) != len(memory_turns):
+            raise ValueError(
+                f"{method}: trajectory {index} (task {trajectory.task.id!r}) has {len(memory_turns)} memory turns "
+                f"but {len(turn_values)} (chunk, memory) pairs; its workflow must record the chunk read and the "
+                "memory written by each memory turn"
+            )
+        value_of = iter(turn_values)
+        for turn in trajectory.turns:
+            value = next(value_of) if turn.kind == MEMORY_TURN else 0.0
+            if turn.trainable:
+                rows[row] = value
+                row += 1
+    return rows
+
+
+def mix_memory_advantages(rollouts: RolloutBatch, credits: torch.Tensor, weight: float) -> None:
+    """On generated tokens of memory turns: ``A = (1 - weight) * A + weight * credit``; other tokens keep ``A``.
+
+    Args:
+        rollouts: the batch whose ``advantages`` (``[M, T]``) change in place.
+        credits: ``[M]``, one credit per row.
+        weight: share of the credit, in [0, 1].
+    """
+    is_memory = rollouts.memory_turns.unsqueeze(-1)  # [M, 1]
+    mixed = (1 - weight) * rollouts.advantages + weight * credits.unsqueeze(-1)
+    mask = rollouts.response_mask.bool()
+    rollouts.advantages = torch.where(is_memory & mask, mixed, rollouts.advantages)
+
+
 class MemoryTokenCredit(MemRLCallback):
     """Mixes a per-turn memory credit into the advantage of memory-writing tokens.
 
@@ -41,6 +102,13 @@ class MemoryTokenCredit(MemRLCallback):
     Works with workflows whose memory turn ``k`` writes ``trajectory.memories[k]`` after reading
     ``trajectory.chunks[k]`` (``Workflow.memory_per_chunk``: MemAgent); any other workflow (e.g.
     a memory-bank one, whose memory turns are operations) is refused at setup.
+
+    How it differs from HiMPO's :class:`~lightning_memrl.credit.himpo.HindsightMemoryCredit`: this
+    credit is a *level* (+1/-1/0: does memory ``k`` hold the answer, given what was read so far),
+    so a turn that merely copied a memory already holding the answer gets +1; HiMPO credits the
+    *change* a write made (recoverability of ``m_k`` minus that of ``m_{k-1}``) times a bounded
+    hindsight relevance, so copying earns 0, and its default weight gives memory tokens the memory
+    advantage alone.
 
     Args:
         weight: share of the memory credit in [0, 1].
@@ -55,37 +123,17 @@ class MemoryTokenCredit(MemRLCallback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a workflow whose memory turns do not each write one memory text after one chunk."""
-        workflow = getattr(pl_module, "workflow", None)
-        if workflow is not None and not getattr(workflow, "memory_per_chunk", False):
-            raise ConfigError(
-                f"MemoryTokenCredit cannot credit the memory turns of {type(workflow).__name__}: it scores each "
-                "memory turn by whether the memory it wrote (trajectory.memories[k]) still holds the gold answer "
-                "after reading chunk k, and this workflow records no such memory per turn (memory_per_chunk is "
-                "False; a memory-bank workflow's memory turns are operations). Remove the callback for this workflow."
-            )
+        require_memory_per_chunk(
+            pl_module,
+            "MemoryTokenCredit",
+            "it scores each memory turn by whether the memory it wrote (trajectory.memories[k]) still holds the "
+            "gold answer after reading chunk k",
+        )
 
     def on_advantages(self, trainer: L.Trainer, module: L.LightningModule, rollouts: RolloutBatch) -> None:
-        credits = torch.zeros(rollouts.response_ids.shape[0])
-        row = 0  # rows are the trainable turns, in trajectory order
-        for index, trajectory in enumerate(rollouts.trajectories):
-            memory_turns = [t for t in trajectory.turns if t.kind == MEMORY_TURN]
-            memory_credits = memory_write_credits(trajectory)
-            if len(memory_credits) != len(memory_turns):
-                raise ValueError(
-                    f"MemoryTokenCredit: trajectory {index} (task {trajectory.task.id!r}) has {len(memory_turns)} "
-                    f"memory turns but {len(memory_credits)} (chunk, memory) pairs; its workflow must record the "
-                    "chunk read and the memory written by each memory turn"
-                )
-            credit_of = iter(memory_credits)
-            for turn in trajectory.turns:
-                credit = next(credit_of) if turn.kind == MEMORY_TURN else 0.0
-                if turn.trainable:
-                    credits[row] = credit
-                    row += 1
-        is_memory = rollouts.memory_turns.unsqueeze(-1)  # [M, 1]
-        mixed = (1 - self.weight) * rollouts.advantages + self.weight * credits.unsqueeze(-1)
-        mask = rollouts.response_mask.bool()
-        rollouts.advantages = torch.where(is_memory & mask, mixed, rollouts.advantages)
+        values = [memory_write_credits(t) for t in rollouts.trajectories]
+        credits = memory_turn_rows(rollouts, values, "MemoryTokenCredit")
+        mix_memory_advantages(rollouts, credits, self.weight)
         batch_credits = credits[rollouts.memory_turns]
         self.credit_sum += float(batch_credits.sum())
         self.credited_turns += batch_credits.numel()

@@ -49,6 +49,7 @@ class Turn:
     text: str = ""  # decoded response (for rewards and logs only; never re-tokenised)
     trainable: bool = True  # False: a frozen agent's turn, left out of the update (no loss)
     reward: float = 0.0  # per-turn reward (e.g. a format penalty), summed into the trajectory's
+    info: dict[str, Any] = field(default_factory=dict)  # workflow extras, e.g. wrote_entries {bank entry id: text}
 
 
 @dataclass

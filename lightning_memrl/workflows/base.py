@@ -101,11 +101,13 @@ class Workflow:
     never trains (the LoRA base with adapters disabled, else a frozen copy of the initial
     weights), and the frozen agents' turns generate with it. ``memory_per_chunk`` says whether
     memory turn ``k`` writes ``trajectory.memories[k]`` after reading ``trajectory.chunks[k]``
-    (what ``MemoryTokenCredit`` needs).
+    (what ``MemoryTokenCredit`` needs); ``records_memory_writes`` whether each memory turn notes the
+    bank entries it wrote in ``turn.info["wrote_entries"]`` (what ``FineMemCredit`` needs on a bank).
     """
 
     frozen_engine: RolloutBackend | None = None  # set by MemRLModule when needs_frozen_model()
     memory_per_chunk: bool = False  # each memory turn writes trajectory.memories[k] after reading chunks[k]
+    records_memory_writes: bool = False  # each memory turn notes turn.info["wrote_entries"] = {entry id: text}
 
     def needs_frozen_model(self) -> bool:
         """True when some agents must generate with a fixed model while the policy trains."""

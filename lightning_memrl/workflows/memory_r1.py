@@ -31,7 +31,7 @@ from typing import Any
 
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
-from lightning_memrl.memory.bank import MemoryBank, MemoryBankError
+from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, MemoryOp
 from lightning_memrl.memory.operations import parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
@@ -89,6 +89,8 @@ class MemoryR1Workflow(BankWorkflow):
         **kwargs: ``retriever``, ``turns_per_segment`` (dialogue turns the extractor reads per call,
             default 8), ``max_batch``, ``system_prompt``, ``judge`` of :class:`BankWorkflow`.
     """
+
+    records_memory_writes = True  # manager turns note turn.info["wrote_entries"]
 
     def __init__(
         self,
@@ -239,7 +241,9 @@ class MemoryR1Workflow(BankWorkflow):
     ) -> None:
         """Apply the operation a manager ``turn`` chose for ``fact`` to ``bank``, counted in ``counts``.
 
-        An output that names no usable operation is a NOOP whose turn gets ``-format_penalty``.
+        An output that names no usable operation is a NOOP whose turn gets ``-format_penalty``. An ADD or
+        UPDATE notes the entry it wrote in ``turn.info["wrote_entries"]`` (``{id: text}``), the link from a
+        bank entry to the turn that wrote it (used by evidence-anchored credit).
         """
         parsed = parse_memory_operation(turn.text, shown_ids, fact)
         if not parsed.valid:
@@ -248,7 +252,9 @@ class MemoryR1Workflow(BankWorkflow):
         else:
             session = segment.session
             try:
-                bank.apply(parsed.op, parsed.text, parsed.target_id, session.name, session.date_time, sources)
+                entry = bank.apply(parsed.op, parsed.text, parsed.target_id, session.name, session.date_time, sources)
+                if entry is not None and parsed.op in (MemoryOp.ADD, MemoryOp.UPDATE):
+                    turn.info["wrote_entries"] = {entry.id: entry.text}
             except MemoryBankError:  # the target was deleted by an earlier fact of this round
                 counts["stale_target"] += 1
         counts[parsed.op.value] += 1

@@ -165,6 +165,8 @@ class RMMWorkflow(BankWorkflow):
             ``system_prompt``, ``judge`` of :class:`BankWorkflow`.
     """
 
+    records_memory_writes = True  # add-or-merge turns note turn.info["wrote_entries"]
+
     def __init__(
         self,
         turns_per_segment: int = 0,
@@ -270,11 +272,12 @@ class RMMWorkflow(BankWorkflow):
                 if parsed.valid and parsed.op is MemoryOp.UPDATE and parsed.target_id in bank:
                     old = bank.get(str(parsed.target_id))
                     merged = parsed.text if parsed.text != " ".join(topic.split()) else f"{old.text} {topic}"
-                    bank.update(old.id, merged, sources)
+                    entry = bank.update(old.id, merged, sources)
                     counts["MERGE"] += 1
                 else:  # ADD, or anything else (a NOOP/DELETE is not an RMM choice): keep the topic
                     counts["invalid" if not parsed.valid or parsed.op is not MemoryOp.ADD else "ADD"] += 1
-                    bank.add(topic, session.name, session.date_time, sources)
+                    entry = bank.add(topic, session.name, session.date_time, sources)
+                turn.info["wrote_entries"] = {entry.id: entry.text}  # which turn wrote which entry
                 turns[slot].append(turn)
         self.counters.update(counts)
         if counts["invalid"]:
