@@ -64,9 +64,10 @@ def test_state_progress_advantages_hand_computed() -> None:
     #   t0: k0 0 + 0.5 = 0.5, k1 0 + (1 - 0.5) = 0.5;  t1: k0 -0.1 + 0 = -0.1, k1 0 + 0.5 = 0.5
     # A_state per turn index over the group (unbiased std):
     #   k0: mean 0.2, centred +-0.3, std sqrt(0.18) = 0.4242641 -> +-0.7071068;  k1: equal -> 0
-    # A = 0.8 A_out + 0.2 A_state on memory turns, A_out on answer turns:
-    #   t0: 0.4 + 0.1414214 = 0.5414214, 0.4, 0.5;  t1: -0.5414214, -0.4, -0.5
-    per_row = torch.tensor([0.5414214, 0.4, 0.5, -0.5414214, -0.4, -0.5])
+    # answer turns: r_state = their turn reward, 0 for both -> A_state 0
+    # A = 0.8 A_out + 0.2 A_state:
+    #   t0: 0.4 + 0.1414214 = 0.5414214, 0.4, 0.4;  t1: -0.5414214, -0.4, -0.4
+    per_row = torch.tensor([0.5414214, 0.4, 0.4, -0.5414214, -0.4, -0.4])
     torch.testing.assert_close(batch.advantages, per_row.unsqueeze(-1) * batch.response_mask)
     assert batch.advantages[0].tolist() == pytest.approx([0.5414214, 0.5414214, 0.0])  # padding stays 0
     # logs: mean r_state (0.5 + 0.5 - 0.1 + 0.5) / 4 = 0.35; mean gain (0.5 + 0.5 + 0 + 0.5) / 4 = 0.375;
@@ -87,6 +88,19 @@ def test_state_progress_alpha_one_is_the_centred_outcome_and_frozen_turns_take_n
     batch.rewards = torch.tensor([1.0, 0.0])
     StateProgressAdvantage(alpha=1.0).on_advantages(None, _Log(), batch)  # type: ignore[arg-type]
     per_row = torch.tensor([0.5, 0.5, 0.5, -0.5, -0.5])
+    torch.testing.assert_close(batch.advantages, per_row.unsqueeze(-1) * batch.response_mask)
+
+
+def test_state_progress_answer_turn_format_reward_and_scaled_outcome() -> None:
+    batch = _batch()
+    batch.trajectories[0].turns[2].reward = 1.0  # t0's answer turn has a format reward of 1
+    batch = RolloutBatch.from_trajectories(batch.trajectories, group_size=2, pad_id=0)
+    batch.rewards = torch.tensor([1.0, 0.0])
+    StateProgressAdvantage(alpha=0.8, eps=0.0, scale_rewards="group").on_advantages(None, _Log(), batch)  # type: ignore[arg-type]
+    # A_out scaled by the group std: +-0.5 / sqrt(0.5) = +-0.7071068 -> 0.8 * A_out = +-0.5656854
+    # memory k0: +-0.5656854 +- 0.1414214 = +-0.7071068; memory k1: +-0.5656854
+    # answers: r_state 1 and 0 -> A_state +-0.7071068 -> +-0.5656854 +- 0.1414214 = +-0.7071068
+    per_row = torch.tensor([0.7071068, 0.5656854, 0.7071068, -0.7071068, -0.5656854, -0.7071068])
     torch.testing.assert_close(batch.advantages, per_row.unsqueeze(-1) * batch.response_mask)
 
 
@@ -113,7 +127,7 @@ def test_state_progress_refuses_bank_workflows_at_setup(workflow) -> None:
     StateProgressAdvantage().setup(None, SimpleNamespace(workflow=MemAgentWorkflow()), "fit")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kwargs", [{"alpha": 1.5}, {"alpha": -0.1}, {"eps": -1.0}])
+@pytest.mark.parametrize("kwargs", [{"alpha": 1.5}, {"alpha": -0.1}, {"eps": -1.0}, {"scale_rewards": "batch"}])
 def test_state_progress_bad_options(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="StateProgressAdvantage"):
         StateProgressAdvantage(**kwargs)

@@ -49,20 +49,25 @@ def normalise_per_index(values: Tensor, present: Tensor, eps: float) -> Tensor: 
 class StateProgressAdvantage(MemRLCallback):
     """ReMemR1's state-progress advantage (arXiv:2509.23040), written per turn in ``on_advantages``.
 
-    As implemented, for trajectory ``i`` of group ``g`` and its ``k``-th memory turn::
+    As implemented, for trajectory ``i`` of group ``g`` and each of its turns ``t``::
 
-        A_out[i]     = r_i − mean_{j in g} r_j                        (the step's rewards, NaN -> A_out 0)
-        r_state[i,k] = r_format[i,k] + rec(m_k) − rec(m_{k−1})        (m_{−1}: the empty memory)
-        A_state[i,k] = (r_state[i,k] − mean_g r_state[.,k]) / (std_g r_state[.,k] + eps)
-        A[i,k]       = alpha · A_out[i] + (1 − alpha) · A_state[i,k]   on every token of that turn
+        A_out[i]     = r_i − mean_{j in g} r_j          (the step's rewards; NaN -> A_out 0; scale_rewards: group
+                                                         divides by the group's std, as ReMemR1's code does)
+        r_state[i,t] = r_format[i,t] + rec(m_k) − rec(m_{k−1})   if t is the k-th memory turn (m_{−1}: empty)
+        r_state[i,t] = r_format[i,t]                             for any other turn (the answer)
+        A_state[i,t] = (r_state[i,t] − mean_g r_state[.,t]) / (std_g r_state[.,t] + eps)
+        A[i,t]       = alpha · A_out[i] + (1 − alpha) · A_state[i,t]   on every token of turn t
 
     ``rec`` is the fraction of a gold answer's words present in the memory
-    (:func:`~lightning_memrl.credit.answer_presence.answer_word_recall`), ``r_format`` the memory
-    turn's own reward (``rollouts.turn_rewards``: the workflow's per-turn reward, e.g. a format
-    penalty, plus what ``on_rewards`` callbacks added to that turn), and the mean and (unbiased)
-    std run over the members of group ``g`` that have a ``k``-th memory turn (fewer than two: 0).
-    Answer turns (every turn that is not a memory turn) take ``A = A_out``: the outcome reward is
-    their own state reward. Turns that are not trained (a frozen agent's) take no row.
+    (:func:`~lightning_memrl.credit.answer_presence.answer_word_recall`). ``r_format`` is the turn's
+    own reward (``rollouts.turn_rewards``: the workflow's per-turn reward, e.g. a format penalty,
+    plus what ``on_rewards`` callbacks added to that turn; ``Turn.reward`` for a frozen turn). The
+    mean and (unbiased) std of a turn run over the members of group ``g`` that have that turn: the
+    k-th memory turn, or the j-th turn of another kind (fewer than two members: 0). As in ReMemR1's
+    code, the answer turn is a step whose state reward is its format reward alone, so with no
+    answer-turn rewards its ``A_state`` is 0 and it takes ``alpha · A_out``. Turns that are not
+    trained (a frozen agent's) take no row. ReMemR1's revisit reward (for recalled memories) has no
+    counterpart here: MemAgent does not recall.
 
     This replaces the configured advantage estimator's per-token advantages (``rollouts.advantages``
     [M, T]); ``rollouts.trajectory_advantages`` (logged as ``train/advantage_abs``) stays the
@@ -71,19 +76,24 @@ class StateProgressAdvantage(MemRLCallback):
     Works with workflows whose memory turn ``k`` writes ``trajectory.memories[k]``
     (``Workflow.memory_per_chunk``: MemAgent); any other workflow is refused at setup.
 
-    Logs ``train/state_progress/state_reward`` (mean ``r_state`` over memory turns),
+    Logs ``train/state_progress/state_reward`` (mean ``r_state`` of the memory turns),
     ``train/state_progress/recall_gain`` (mean ``rec(m_k) − rec(m_{k−1})``) and
     ``train/state_progress/final_recall`` (mean ``rec`` of the last memory).
 
     Args:
         alpha: weight of the outcome advantage (ReMemR1: 0.8).
-        eps: added to the std of a turn index, so equal state rewards give 0.
+        eps: added to the std of a turn, so equal state rewards give 0.
+        scale_rewards: ``none`` (``A_out = r − group mean``) or ``group`` (also divided by the
+            group's std + eps, as :class:`~lightning_memrl.advantages.GroupRelative`).
     """
 
-    def __init__(self, alpha: float = 0.8, eps: float = 1e-4) -> None:
+    def __init__(self, alpha: float = 0.8, eps: float = 1e-4, scale_rewards: str = "none") -> None:
         check_option(_OPTION + "alpha", alpha, 0.0, 1.0)
         check_option(_OPTION + "eps", eps, 0.0)
+        if scale_rewards not in ("none", "group"):
+            raise ConfigError(f"{_OPTION}scale_rewards must be 'none' or 'group' (got {scale_rewards!r})")
         self.alpha, self.eps = alpha, eps
+        self.outcome = GroupRelative(scale_rewards=scale_rewards, eps=eps)  # type: ignore[arg-type]
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a workflow whose memory turns do not each write one memory text."""
@@ -96,8 +106,12 @@ class StateProgressAdvantage(MemRLCallback):
                 "memory-bank workflow's memory turns are operations). Remove the callback for this workflow."
             )
 
-    def state_rewards(self, rollouts: RolloutBatch) -> tuple[list[list[float]], list[list[float]]]:
-        """``r_state`` and the recall gains of every memory turn, per trajectory (frozen turns: their ``reward``)."""
+    def state_rewards(self, rollouts: RolloutBatch) -> tuple[list[list[tuple[str, float]]], list[list[float]]]:
+        """Per trajectory: ``(turn key, r_state)`` of every turn, and the recall gains of its memory turns.
+
+        The key names the turn across the group: ``memory:k`` for the k-th memory turn, ``<kind>:j``
+        for the j-th turn of another kind.
+        """
         state, gains, row = [], [], 0  # rows are the trainable turns, in trajectory order
         for index, trajectory in enumerate(rollouts.trajectories):
             trajectory_gains = recall_gains(trajectory)
@@ -108,52 +122,49 @@ class StateProgressAdvantage(MemRLCallback):
                     f"{len(memory_turns)} memory turns but {len(trajectory_gains)} memories; its workflow must record "
                     "the memory written by each memory turn"
                 )
-            gain_of, rewards = iter(trajectory_gains), []
+            seen: dict[str, int] = {}
+            keyed = []
             for turn in trajectory.turns:
-                turn_reward = float(rollouts.turn_rewards[row]) if turn.trainable else turn.reward
+                reward = float(rollouts.turn_rewards[row]) if turn.trainable else turn.reward
                 row += turn.trainable
+                k = seen[turn.kind] = seen.get(turn.kind, -1) + 1
                 if turn.kind == MEMORY_TURN:
-                    rewards.append(turn_reward + next(gain_of))
-            state.append(rewards)
+                    reward += trajectory_gains[k]
+                keyed.append((f"{turn.kind}:{k}", reward))
+            state.append(keyed)
             gains.append(trajectory_gains)
         return state, gains
 
-    def state_advantages(self, state: list[list[float]], group_size: int) -> list[list[float]]:
-        """``A_state``: ``state`` normalised within each (group, memory-turn index)."""
+    def state_advantages(self, state: list[list[tuple[str, float]]], group_size: int) -> list[list[float]]:
+        """``A_state`` of every turn: ``r_state`` normalised within each (group, turn key)."""
         out: list[list[float]] = []
         for start in range(0, len(state), group_size):
             members = state[start : start + group_size]
-            width = max((len(s) for s in members), default=0)
-            values = torch.zeros(len(members), width, dtype=torch.float64)
-            present = torch.zeros(len(members), width, dtype=torch.bool)
-            for i, rewards in enumerate(members):
-                values[i, : len(rewards)] = torch.tensor(rewards, dtype=torch.float64)
-                present[i, : len(rewards)] = True
+            keys = list(dict.fromkeys(key for keyed in members for key, _ in keyed))
+            column = {key: c for c, key in enumerate(keys)}
+            values = torch.zeros(len(members), len(keys), dtype=torch.float64)
+            present = torch.zeros(len(members), len(keys), dtype=torch.bool)
+            for i, keyed in enumerate(members):
+                for key, reward in keyed:
+                    values[i, column[key]], present[i, column[key]] = reward, True
             normalised = normalise_per_index(values, present, self.eps)
-            out.extend(normalised[i, : len(rewards)].tolist() for i, rewards in enumerate(members))
+            out.extend([float(normalised[i, column[key]]) for key, _ in keyed] for i, keyed in enumerate(members))
         return out
 
     def on_advantages(self, trainer: L.Trainer, module: L.LightningModule, rollouts: RolloutBatch) -> None:
-        outcome = GroupRelative(scale_rewards="none").from_rewards(rollouts.rewards, rollouts.group_size)  # [N]
+        outcome = self.outcome.from_rewards(rollouts.rewards, rollouts.group_size)  # [N]
         state, gains = self.state_rewards(rollouts)
         state_advantages = self.state_advantages(state, rollouts.group_size)
-        per_row = torch.zeros(rollouts.response_ids.shape[0])  # [M]
-        row = 0
+        per_row = []  # [M]: the trainable turns, in trajectory order
         for index, trajectory in enumerate(rollouts.trajectories):
-            a_out, memory_k = float(outcome[index]), 0
-            for turn in trajectory.turns:
-                advantage = a_out
-                if turn.kind == MEMORY_TURN:
-                    advantage = self.alpha * a_out + (1 - self.alpha) * state_advantages[index][memory_k]
-                    memory_k += 1
+            for turn, a_state in zip(trajectory.turns, state_advantages[index]):
                 if turn.trainable:
-                    per_row[row] = advantage
-                    row += 1
-        rollouts.advantages = per_row.unsqueeze(-1) * rollouts.response_mask  # [M, T]
-        all_state = [r for rewards in state for r in rewards]
-        if all_state:  # a batch without memory turns logs nothing
+                    per_row.append(self.alpha * float(outcome[index]) + (1 - self.alpha) * a_state)
+        rollouts.advantages = torch.tensor(per_row).reshape(-1, 1) * rollouts.response_mask  # [M, T]
+        memory_state = [r for keyed in state for key, r in keyed if key.startswith(MEMORY_TURN + ":")]
+        if memory_state:  # a batch without memory turns logs nothing
             all_gains = [g for trajectory_gains in gains for g in trajectory_gains]
             final = [sum(g) for g in gains if g]  # rec(m_last) − rec(m_{−1}) = rec(m_last)
-            module.log("train/state_progress/state_reward", sum(all_state) / len(all_state))
+            module.log("train/state_progress/state_reward", sum(memory_state) / len(memory_state))
             module.log("train/state_progress/recall_gain", sum(all_gains) / len(all_gains))
             module.log("train/state_progress/final_recall", sum(final) / len(final))
