@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from teacher_fakes import batch, memagent_trajectory
 
 from lightning_memrl import MemRLModule
 from lightning_memrl.credit.attribution import AttributionCredit, answer_attributions
@@ -123,3 +124,26 @@ def test_teacher_scored_methods_refuse_a_memory_bank_workflow_at_setup(callback)
     with pytest.raises(ConfigError, match=f"{callback.__name__} cannot serve MemoryR1Workflow.*memory_per_chunk"):
         callback().setup(None, module, "fit")
     callback().setup(None, MemRLModule("tiny"), "fit")  # MemAgent is served
+
+
+def test_methods_score_through_the_real_teacher(monkeypatch):
+    # InfoMem's gain and TIPS's Φ_K - Φ_0 from the live teacher equal the direct per-token / summed computation
+    module = _module(kl_coef=0.01)  # the run's own reference is the teacher
+    logged: dict[str, float] = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.__setitem__(name, float(value)))
+    builder = AnswerPrompts(module.workflow, module.tokenizer)
+    answer = builder.answer(TASK)
+    final = {m: _direct_logprobs(module._reference, builder.prompt(TASK.question, m), answer) for m in MEMORIES}
+    empty = _direct_logprobs(module._reference, builder.prompt(TASK.question, ""), answer)
+    trajectories = [memagent_trajectory([m], answer="\\boxed{Paris}") for m in MEMORIES[:2]]
+    for trajectory in trajectories:
+        trajectory.task = TASK
+    rollouts = batch(trajectories, 2, [0.0, 0.0])
+    rollouts.rewards = torch.zeros(2)
+    InformationGainReward().on_rewards(None, module, rollouts)
+    gains = [float(final[m].mean() - empty.mean()) for m in MEMORIES[:2]]
+    assert logged["train/info_gain/gain"] == pytest.approx(sum(gains) / 2, abs=1e-4)
+    assert logged["train/info_gain/teacher_rows"] == 4.0 and logged["train/info_gain/teacher_seconds"] > 0
+    PotentialTurnShaping().on_advantages(None, module, rollouts)
+    phi_gain = [float(final[m].sum() - empty.sum()) for m in MEMORIES[:2]]
+    assert logged["train/tips/potential_gain"] == pytest.approx(sum(phi_gain) / 2, abs=1e-3)

@@ -119,6 +119,9 @@ class AttributionCredit(TeacherScoredCallback):
         answer_format: the gold answer as the answer turn writes it.
         eps: added to the std of the normalisation.
 
+    Keeps no state between steps (nothing to checkpoint). Refused at setup for a workflow without
+    one memory text per chunk (a memory-bank workflow).
+
     Logs ``train/attribution/score`` (mean ``a``), ``train/attribution/teacher_seconds`` and
     ``train/attribution/teacher_rows``.
     """

@@ -54,6 +54,9 @@ class InformationGainReward(TeacherScoredCallback):
         answer_format: the gold answer as the answer turn writes it.
         eps: added to the std of the normalisation.
 
+    Keeps no state between steps (nothing to checkpoint). Refused at setup for a workflow without
+    one memory text per chunk (a memory-bank workflow).
+
     Logs ``train/info_gain/success_rate``, ``train/info_gain/gain`` (mean ``g`` of the successes, when
     any), ``train/info_gain/teacher_seconds`` and ``train/info_gain/teacher_rows``.
     """

@@ -77,6 +77,9 @@ class PotentialTurnShaping(TeacherScoredCallback):
         answer_format: the gold answer as the answer turn writes it.
         eps: added to the std of the normalisation.
 
+    Keeps no state between steps (nothing to checkpoint). Refused at setup for a workflow without
+    one memory text per chunk (a memory-bank workflow).
+
     Logs ``train/tips/potential_gain`` (mean ``Φ_K − Φ_0``), ``train/tips/turn_reward`` (mean ``r_k``),
     ``train/tips/teacher_seconds`` and ``train/tips/teacher_rows`` (the teacher's cost this step).
     """
