@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import torch
 
 from lightning_memrl.callbacks.base import MemRLCallback
 from lightning_memrl.credit.answer_presence import holds_answer
-from lightning_memrl.errors import ConfigError
-from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory
+from lightning_memrl.credit.memory_turns import mix_memory_advantages, require_memory_per_chunk, values_on_rows
+from lightning_memrl.types import RolloutBatch, Trajectory
 
 
 def memory_write_credits(trajectory: Trajectory) -> list[float]:
@@ -28,67 +27,6 @@ def memory_write_credits(trajectory: Trajectory) -> list[float]:
         else:
             credits.append(-1.0 if seen else 0.0)
     return credits
-
-
-def require_memory_per_chunk(pl_module: L.LightningModule, method: str, why: str) -> None:
-    """Raise :class:`ConfigError` when ``pl_module.workflow`` does not write one memory per chunk.
-
-    Args:
-        pl_module: the module being set up (its ``workflow`` is checked when it has one).
-        method: the class name in the message.
-        why: what the method reads of each memory turn, for the message.
-    """
-    workflow = getattr(pl_module, "workflow", None)
-    if workflow is not None and not getattr(workflow, "memory_per_chunk", False):
-        raise ConfigError(
-            f"{method} cannot credit the memory turns of {type(workflow).__name__}: {why}, and this workflow "
-            "records no such memory per turn (memory_per_chunk is False; a memory-bank workflow's memory turns "
-            "are operations). Remove the callback for this workflow."
-        )
-
-
-def memory_turn_rows(rollouts: RolloutBatch, values: list[list[float]], method: str) -> torch.Tensor:
-    """Spread per-memory-turn values onto the batch's rows: ``[M]``, 0.0 on rows of other turns.
-
-    Args:
-        rollouts: the step's batch (rows are the trainable turns, in trajectory order).
-        values: for each trajectory, one value per memory turn (frozen ones included), in turn order.
-        method: the class name in the error message.
-
-    Raises:
-        ValueError: a trajectory whose count of values differs from its count of memory turns.
-    """
-    rows = torch.zeros(rollouts.response_ids.shape[0])
-    row = 0
-    for index, (trajectory, turn_values) in enumerate(zip(rollouts.trajectories, values)):
-        memory_turns = [t for t in trajectory.turns if t.kind == MEMORY_TURN]
-        if len(turn_values) != len(memory_turns):
-            raise ValueError(
-                f"{method}: trajectory {index} (task {trajectory.task.id!r}) has {len(memory_turns)} memory turns "
-                f"but {len(turn_values)} (chunk, memory) pairs; its workflow must record the chunk read and the "
-                "memory written by each memory turn"
-            )
-        value_of = iter(turn_values)
-        for turn in trajectory.turns:
-            value = next(value_of) if turn.kind == MEMORY_TURN else 0.0
-            if turn.trainable:
-                rows[row] = value
-                row += 1
-    return rows
-
-
-def mix_memory_advantages(rollouts: RolloutBatch, credits: torch.Tensor, weight: float) -> None:
-    """On generated tokens of memory turns: ``A = (1 - weight) * A + weight * credit``; other tokens keep ``A``.
-
-    Args:
-        rollouts: the batch whose ``advantages`` (``[M, T]``) change in place.
-        credits: ``[M]``, one credit per row.
-        weight: share of the credit, in [0, 1].
-    """
-    is_memory = rollouts.memory_turns.unsqueeze(-1)  # [M, 1]
-    mixed = (1 - weight) * rollouts.advantages + weight * credits.unsqueeze(-1)
-    mask = rollouts.response_mask.bool()
-    rollouts.advantages = torch.where(is_memory & mask, mixed, rollouts.advantages)
 
 
 class MemoryTokenCredit(MemRLCallback):
@@ -124,15 +62,15 @@ class MemoryTokenCredit(MemRLCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a workflow whose memory turns do not each write one memory text after one chunk."""
         require_memory_per_chunk(
-            pl_module,
             "MemoryTokenCredit",
+            getattr(pl_module, "workflow", None),
             "it scores each memory turn by whether the memory it wrote (trajectory.memories[k]) still holds the "
             "gold answer after reading chunk k",
         )
 
     def on_advantages(self, trainer: L.Trainer, module: L.LightningModule, rollouts: RolloutBatch) -> None:
         values = [memory_write_credits(t) for t in rollouts.trajectories]
-        credits = memory_turn_rows(rollouts, values, "MemoryTokenCredit")
+        credits = values_on_rows(rollouts, values, "MemoryTokenCredit")
         mix_memory_advantages(rollouts, credits, self.weight)
         batch_credits = credits[rollouts.memory_turns]
         self.credit_sum += float(batch_credits.sum())

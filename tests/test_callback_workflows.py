@@ -64,7 +64,7 @@ def test_memory_credit_skips_frozen_turns_and_credits_the_trainable_rows():
 @pytest.mark.parametrize("workflow", [MemoryR1Workflow(), RMMWorkflow()], ids=["memory_r1", "rmm"])
 def test_memory_credit_refuses_bank_workflows_at_setup(workflow):
     name = type(workflow).__name__
-    with pytest.raises(ConfigError, match=f"cannot credit the memory turns of {name}: .*memory_per_chunk is False"):
+    with pytest.raises(ConfigError, match=f"cannot serve {name}: .*memory_per_chunk is False"):
         MemoryTokenCredit().setup(None, SimpleNamespace(workflow=workflow), "fit")  # type: ignore[arg-type]
     MemoryTokenCredit().setup(None, SimpleNamespace(workflow=MemAgentWorkflow()), "fit")  # type: ignore[arg-type]
 

@@ -135,7 +135,7 @@ def test_rmm_merge_turns_record_the_entry_they_wrote(tasks, tiny_tokenizer):
     ids=["memory_r1_answerer", "rmm", "custom"],
 )
 def test_refuses_workflows_whose_memory_writes_it_cannot_credit(workflow: Workflow) -> None:
-    message = f"FineMemCredit cannot credit the memory turns of {type(workflow).__name__}"
+    message = f"FineMemCredit cannot serve {type(workflow).__name__}"
     with pytest.raises(ConfigError, match=message):
         FineMemCredit().setup(None, SimpleNamespace(workflow=workflow), "fit")  # type: ignore[arg-type]
 

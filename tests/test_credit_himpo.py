@@ -103,7 +103,7 @@ def test_state_dict_round_trip() -> None:
 
 @pytest.mark.parametrize("workflow", [MemoryR1Workflow(), Workflow()], ids=["memory_r1", "custom"])
 def test_refuses_workflows_without_a_memory_per_chunk_at_setup(workflow: Workflow) -> None:
-    message = f"HindsightMemoryCredit cannot credit the memory turns of {type(workflow).__name__}"
+    message = f"HindsightMemoryCredit cannot serve {type(workflow).__name__}"
     with pytest.raises(ConfigError, match=message):
         HindsightMemoryCredit().setup(None, SimpleNamespace(workflow=workflow), "fit")  # type: ignore[arg-type]
     HindsightMemoryCredit().setup(None, SimpleNamespace(workflow=MemAgentWorkflow()), "fit")  # type: ignore[arg-type]

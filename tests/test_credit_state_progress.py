@@ -122,7 +122,7 @@ def test_state_progress_refuses_a_memory_count_mismatch() -> None:
 @pytest.mark.parametrize("workflow", [MemoryR1Workflow(), RMMWorkflow()], ids=["memory_r1", "rmm"])
 def test_state_progress_refuses_bank_workflows_at_setup(workflow) -> None:
     name = type(workflow).__name__
-    with pytest.raises(ConfigError, match=f"cannot reward the memory states of {name}: .*memory_per_chunk is False"):
+    with pytest.raises(ConfigError, match=f"cannot serve {name}: .*memory_per_chunk is False"):
         StateProgressAdvantage().setup(None, SimpleNamespace(workflow=workflow), "fit")  # type: ignore[arg-type]
     StateProgressAdvantage().setup(None, SimpleNamespace(workflow=MemAgentWorkflow()), "fit")  # type: ignore[arg-type]
 

@@ -9,7 +9,8 @@ from teacher_fakes import batch, memagent_trajectory
 from lightning_memrl import MemRLModule
 from lightning_memrl.credit.attribution import AttributionCredit, answer_attributions
 from lightning_memrl.credit.info_gain import InformationGainReward
-from lightning_memrl.credit.teacher import AnswerPrompts, grouped_zscore, score_answers
+from lightning_memrl.credit.memory_turns import grouped_zscore
+from lightning_memrl.credit.teacher import AnswerPrompts, score_answers
 from lightning_memrl.credit.tips import PotentialTurnShaping
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.models import LoraSettings

@@ -19,11 +19,10 @@ import torch
 from torch import Tensor
 
 from lightning_memrl import learner
+from lightning_memrl.credit.memory_turns import check_one_memory_per_turn, grouped_zscore, memory_turn_rows
 from lightning_memrl.credit.teacher import (
     DEFAULT_ANSWER_FORMAT,
     TeacherScoredCallback,
-    grouped_zscore,
-    memory_turn_rows,
     right_pad,
     teacher_model,
 )
@@ -158,7 +157,8 @@ class AttributionCredit(TeacherScoredCallback):
         return scores
 
     def on_advantages(self, trainer: L.Trainer, module: L.LightningModule, rollouts: RolloutBatch) -> None:
-        rows = memory_turn_rows(rollouts, "AttributionCredit")
+        check_one_memory_per_turn(rollouts, "AttributionCredit")
+        rows = memory_turn_rows(rollouts)
         items, targets, keys = [], [], []
         for i, (trajectory, trajectory_rows) in enumerate(zip(rollouts.trajectories, rows)):
             for memory, row in zip(trajectory.memories, trajectory_rows):

@@ -15,8 +15,8 @@ from typing import Any
 import lightning as L
 
 from lightning_memrl.callbacks.base import MemRLCallback
-from lightning_memrl.callbacks.memory_credit import memory_turn_rows, mix_memory_advantages
 from lightning_memrl.credit.answer_presence import holds_answer
+from lightning_memrl.credit.memory_turns import mix_memory_advantages, values_on_rows
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory
 
@@ -114,7 +114,7 @@ class FineMemCredit(MemRLCallback):
         ):
             return
         raise ConfigError(
-            f"FineMemCredit cannot credit the memory turns of {type(workflow).__name__}: it rewards each trained "
+            f"FineMemCredit cannot serve {type(workflow).__name__}: it rewards each trained "
             "memory write by whether the memory it wrote holds the gold answer and by the evidence the answer "
             "used, which needs a memory per chunk (MemAgent) or trained bank operations that record the entries "
             "they wrote (Memory-R1 with stage: manager); here the memory writes are not trained or not recorded "
@@ -134,14 +134,14 @@ class FineMemCredit(MemRLCallback):
             flat = [r for rewards in group for r in rewards]
             mean = sum(flat) / len(flat) if flat else 0.0
             centred.extend([r - mean for r in rewards] for rewards in group)
-        advantages = memory_turn_rows(rollouts, centred, name)  # [M]
+        advantages = values_on_rows(rollouts, centred, name)  # [M]
         mix_memory_advantages(rollouts, advantages, self.weight)
         rows = rollouts.memory_turns
         if not bool(rows.any()):  # a batch without trainable memory turns logs nothing
             return
-        steps = memory_turn_rows(rollouts, [s for s, _, _ in terms], name)[rows]
-        shares = memory_turn_rows(rollouts, [n for _, n, _ in terms], name)[rows]
-        evidence = memory_turn_rows(rollouts, [[float(e) for e in flags] for _, _, flags in terms], name)[rows]
+        steps = values_on_rows(rollouts, [s for s, _, _ in terms], name)[rows]
+        shares = values_on_rows(rollouts, [n for _, n, _ in terms], name)[rows]
+        evidence = values_on_rows(rollouts, [[float(e) for e in flags] for _, _, flags in terms], name)[rows]
         self.evidence_turns += int(evidence.sum())
         self.credited_turns += int(rows.sum())
         module.log("train/fine_mem/step_reward", float(steps.mean()))

@@ -14,8 +14,8 @@ from typing import Any
 import lightning as L
 
 from lightning_memrl.callbacks.base import MemRLCallback
-from lightning_memrl.callbacks.memory_credit import memory_turn_rows, mix_memory_advantages, require_memory_per_chunk
 from lightning_memrl.credit.answer_presence import answer_word_recall, holds_answer
+from lightning_memrl.credit.memory_turns import mix_memory_advantages, require_memory_per_chunk, values_on_rows
 from lightning_memrl.types import RolloutBatch, Trajectory
 
 
@@ -121,8 +121,8 @@ class HindsightMemoryCredit(MemRLCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a workflow whose memory turns do not each write one memory text after one chunk."""
         require_memory_per_chunk(
-            pl_module,
             "HindsightMemoryCredit",
+            getattr(pl_module, "workflow", None),
             "it compares the memory each memory turn wrote (trajectory.memories[k]) with the previous one and "
             "weighs it by the chunk it read (trajectory.chunks[k])",
         )
@@ -132,8 +132,8 @@ class HindsightMemoryCredit(MemRLCallback):
             himpo_terms(t, self.recoverability, self.hindsight, self.relevance_floor) for t in rollouts.trajectories
         ]
         name = "HindsightMemoryCredit"
-        utility = memory_turn_rows(rollouts, [u for u, _ in terms], name)  # [M]
-        relevance = memory_turn_rows(rollouts, [h for _, h in terms], name)  # [M]
+        utility = values_on_rows(rollouts, [u for u, _ in terms], name)  # [M]
+        relevance = values_on_rows(rollouts, [h for _, h in terms], name)  # [M]
         credits = utility * relevance  # [M], 0 on answer rows
         mix_memory_advantages(rollouts, credits, self.weight)
         rows = rollouts.memory_turns

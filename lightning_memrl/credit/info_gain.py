@@ -11,7 +11,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lightning_memrl.credit.teacher import DEFAULT_ANSWER_FORMAT, TeacherScoredCallback, grouped_zscore
+from lightning_memrl.credit.memory_turns import grouped_zscore
+from lightning_memrl.credit.teacher import DEFAULT_ANSWER_FORMAT, TeacherScoredCallback
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.rewards import ExactMatch, check_answer_pattern
 from lightning_memrl.types import RolloutBatch

@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_memrl.advantages import GroupRelative
 from lightning_memrl.callbacks.base import MemRLCallback
 from lightning_memrl.credit.answer_presence import answer_word_recall
+from lightning_memrl.credit.memory_turns import require_memory_per_chunk
 from lightning_memrl.errors import ConfigError, check_option
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory
 
@@ -97,14 +98,12 @@ class StateProgressAdvantage(MemRLCallback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a workflow whose memory turns do not each write one memory text."""
-        workflow = getattr(pl_module, "workflow", None)
-        if workflow is not None and not getattr(workflow, "memory_per_chunk", False):
-            raise ConfigError(
-                f"StateProgressAdvantage cannot reward the memory states of {type(workflow).__name__}: it scores "
-                "memory turn k by how much more of the gold answer trajectory.memories[k] holds than the memory "
-                "before it, and this workflow records no memory text per memory turn (memory_per_chunk is False; a "
-                "memory-bank workflow's memory turns are operations). Remove the callback for this workflow."
-            )
+        require_memory_per_chunk(
+            "StateProgressAdvantage",
+            getattr(pl_module, "workflow", None),
+            "it scores memory turn k by how much more of the gold answer trajectory.memories[k] holds than the "
+            "memory before it",
+        )
 
     def state_rewards(self, rollouts: RolloutBatch) -> tuple[list[list[tuple[str, float]]], list[list[float]]]:
         """Per trajectory: ``(turn key, r_state)`` of every turn, and the recall gains of its memory turns.

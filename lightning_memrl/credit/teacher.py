@@ -14,7 +14,7 @@ the policy, and a group's shared prompt prefix is computed once).
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,32 +24,14 @@ import torch
 from torch import Tensor
 
 from lightning_memrl.callbacks.base import MemRLCallback
+from lightning_memrl.credit.memory_turns import require_memory_per_chunk
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.learner import micro_batches
-from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Task
-from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
+from lightning_memrl.types import Task
+from lightning_memrl.workflows.base import encode_chat_prompt
 
 DEFAULT_ANSWER_FORMAT = "\\boxed{{{answer}}}"
 """How the gold answer is written as the answer turn's completion (the answer template asks for a box)."""
-
-
-def require_memory_per_chunk(method: str, workflow: Workflow | None) -> None:
-    """Stop at setup unless ``workflow`` writes one memory text per chunk and has an answer template.
-
-    Raises:
-        ConfigError: naming ``method`` and the workflow, for a memory-bank workflow (or any other
-            whose memory turns do not each write ``trajectory.memories[k]``).
-    """
-    if workflow is None:
-        return
-    if not getattr(workflow, "memory_per_chunk", False) or not hasattr(workflow, "answer_template"):
-        raise ConfigError(
-            f"{method} cannot serve {type(workflow).__name__}: it scores the gold answer's log-likelihood given "
-            "the memory a memory turn wrote (trajectory.memories[k]), filled into the workflow's answer_template, "
-            "and this workflow writes no such per-chunk memory (memory_per_chunk is False, or it has no "
-            "answer_template; a memory-bank workflow's memory turns are operations). Use it with MemAgentWorkflow "
-            "or remove the callback."
-        )
 
 
 @dataclass
@@ -185,22 +167,6 @@ def score_answers(
     return AnswerScores(per_token.sum(-1)[rows], per_token[rows], mask[rows])
 
 
-def grouped_zscore(values: Tensor, keys: list[Hashable], eps: float = 1e-6) -> Tensor:
-    """``(v - mean) / (std + eps)`` within each set of entries sharing a key, unbiased std as ``GroupRelative``.
-
-    A key held by a single entry gives 0 (nothing to compare with). ``values`` [R], ``keys`` R keys.
-    """
-    out = torch.zeros_like(values, dtype=torch.float32)
-    members: dict[Hashable, list[int]] = {}
-    for i, key in enumerate(keys):
-        members.setdefault(key, []).append(i)
-    for idx in members.values():
-        if len(idx) > 1:
-            v = values[idx].float()
-            out[idx] = (v - v.mean()) / (v.std() + eps)
-    return out
-
-
 class TeacherScoredCallback(MemRLCallback):
     """Shared part of the teacher-scored credit callbacks: the setup check, the prompts, the teacher's cost.
 
@@ -219,7 +185,13 @@ class TeacherScoredCallback(MemRLCallback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse a workflow without one memory text per chunk (see :func:`require_memory_per_chunk`)."""
-        require_memory_per_chunk(type(self).__name__, getattr(pl_module, "workflow", None))
+        require_memory_per_chunk(
+            type(self).__name__,
+            getattr(pl_module, "workflow", None),
+            "it scores the gold answer's log-likelihood given the memory a memory turn wrote (trajectory.memories[k]), "
+            "filled into the workflow's answer_template",
+            needs_answer_template=True,
+        )
 
     def prompts(self, module: Any) -> AnswerPrompts:
         return AnswerPrompts(module.workflow, module.tokenizer, self.answer_format)
@@ -238,25 +210,3 @@ class TeacherScoredCallback(MemRLCallback):
         """``train/<method>/teacher_seconds`` and ``teacher_rows`` of this step."""
         module.log(f"train/{self.method}/teacher_seconds", self.teacher_seconds, batch_size=batch_size)
         module.log(f"train/{self.method}/teacher_rows", float(self.teacher_rows), batch_size=batch_size)
-
-
-def memory_turn_rows(rollouts: RolloutBatch, method: str) -> list[list[int | None]]:
-    """Per trajectory, the ``RolloutBatch`` row of each memory turn (None for a turn that is not trained).
-
-    Raises:
-        ValueError: a trajectory whose memory turns and recorded memories differ in number.
-    """
-    out, row = [], 0
-    for index, trajectory in enumerate(rollouts.trajectories):
-        rows: list[int | None] = []
-        for turn in trajectory.turns:
-            if turn.kind == MEMORY_TURN:
-                rows.append(row if turn.trainable else None)
-            row += int(turn.trainable)
-        if len(rows) != len(trajectory.memories):
-            raise ValueError(
-                f"{method}: trajectory {index} (task {trajectory.task.id!r}) has {len(rows)} memory turns but "
-                f"{len(trajectory.memories)} memories; its workflow must record the memory each memory turn writes"
-            )
-        out.append(rows)
-    return out

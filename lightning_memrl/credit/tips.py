@@ -16,11 +16,10 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from lightning_memrl.credit.memory_turns import check_one_memory_per_turn, grouped_zscore, memory_turn_rows
 from lightning_memrl.credit.teacher import (
     DEFAULT_ANSWER_FORMAT,
     TeacherScoredCallback,
-    grouped_zscore,
-    memory_turn_rows,
 )
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.types import RolloutBatch
@@ -111,7 +110,8 @@ class PotentialTurnShaping(TeacherScoredCallback):
         return list(values.split([len(t.memories) + 1 for t in rollouts.trajectories]))
 
     def on_advantages(self, trainer: L.Trainer, module: L.LightningModule, rollouts: RolloutBatch) -> None:
-        rows = memory_turn_rows(rollouts, "PotentialTurnShaping")
+        check_one_memory_per_turn(rollouts, "PotentialTurnShaping")
+        rows = memory_turn_rows(rollouts)
         potentials = self.potentials(module, rollouts)
         shaped = [shaped_returns(phi, self.gamma) for phi in potentials]
         turn_advantages = per_turn_index_advantages([g for _, g in shaped], rollouts.group_size, self.eps)
