@@ -177,8 +177,9 @@ def update(module: Trainee, rollouts: RolloutBatch) -> dict[str, float]:
     opt = module.optimizers()
     scheduler = module.lr_schedulers()
     mask = rollouts.response_mask.bool()
+    trained = losses.loss_mask(rollouts.response_mask, rollouts.truncated, g.mask_truncated_completions)
     weights = losses.loss_token_weights(
-        rollouts.response_mask,
+        trained,
         rollouts.turn_to_trajectory,
         g.loss_aggregation,
         module.workflow.max_response_tokens(module.generation),
@@ -217,6 +218,8 @@ def update(module: Trainee, rollouts: RolloutBatch) -> dict[str, float]:
         micro_batches=float(len(batches)),
         skipped_steps=float(skipped),
     )
+    if g.mask_truncated_completions:  # the share of generated tokens that truncated turns kept out of the loss
+        out["loss_variant/truncated_masked_frac"] = 1.0 - float(trained.sum()) / max(float(mask.sum()), 1.0)
     return out
 
 

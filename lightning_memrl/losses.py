@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_memrl.settings import GRPOSettings, KLEstimator, LossAggregation
+from lightning_memrl.settings import GRPOSettings, ImportanceSamplingLevel, KLEstimator, LossAggregation
 
 LOG_RATIO_CLAMP = 20.0  # as verl: keeps exp() finite when the policy moved far from the old one
 LOW_VAR_KL_CLAMP = 10.0  # verl's bound on the k3 estimate ("low_var_kl")
@@ -60,6 +60,40 @@ def loss_token_weights(
     )
 
 
+def loss_mask(
+    response_mask: Tensor,  # [M, T] 1 on generated tokens
+    truncated: Tensor,  # [M] bool: the turn hit its token cap without ending
+    mask_truncated_completions: bool,
+) -> Tensor:  # [M, T] 1 on the tokens the loss trains
+    """The tokens that carry loss: every generated token, less truncated turns' when ``mask_truncated_completions``."""
+    if not mask_truncated_completions:
+        return response_mask
+    return response_mask * (~truncated.bool()).unsqueeze(-1).to(response_mask.dtype)
+
+
+def importance_log_ratio(
+    logprobs: Tensor,  # [M, T] current policy
+    old_logprobs: Tensor,  # [M, T] policy that generated the tokens
+    level: ImportanceSamplingLevel = "token",
+    mask: Tensor | None = None,  # [M, T] response tokens; needed for "sequence"
+) -> Tensor:  # [M, T]
+    """``log ρ_t = logp_t - old_t`` per token, or (``sequence``, GSPO) its mean over each row's response tokens.
+
+    GSPO's sequence ratio is ``s_i = exp(mean_t log ρ_{i,t})`` (length-normalised), the same for every token
+    of row ``i``; its gradient is ``s_i · mean_t ∇log p_{i,t}``.
+    """
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return log_ratio
+    if level != "sequence":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+    if mask is None:
+        raise ValueError("importance_sampling_level 'sequence' needs the response mask")
+    m = mask.to(log_ratio.dtype)
+    per_row = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [M, 1]
+    return per_row.expand_as(log_ratio)
+
+
 def clipped_surrogate(
     logprobs: Tensor,  # [M, T] current policy
     old_logprobs: Tensor,  # [M, T] policy that generated the tokens
@@ -67,16 +101,18 @@ def clipped_surrogate(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
+    importance_sampling_level: ImportanceSamplingLevel = "token",
+    mask: Tensor | None = None,  # [M, T] response tokens; needed for "sequence"
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO clipped surrogate with clip-higher and optional dual clip.
+    """PPO clipped surrogate with clip-higher and optional dual clip, over token or (GSPO) sequence ratios.
 
     Returns:
         ``(token_loss, clipped, dual_clipped)``: the per-token loss ``-min(ρA, clip(ρ)A)``
         (bounded by ``-c·A`` for negative advantages when ``dual_clip=c``), and boolean masks of
         tokens where the ratio clip or the dual clip was active.
     """
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, importance_sampling_level, mask)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     unclipped = -advantages * ratio
     clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     token_loss = torch.maximum(unclipped, clipped_loss)
@@ -89,6 +125,48 @@ def clipped_surrogate(
         dual_clipped = (advantages < 0) & (token_loss > bound)
         token_loss = torch.where(dual_clipped, bound, token_loss)
     return token_loss, clipped, dual_clipped
+
+
+def cispo_surrogate(
+    logprobs: Tensor,  # [M, T] current policy
+    old_logprobs: Tensor,  # [M, T] policy that generated the tokens
+    advantages: Tensor,  # [M, T]
+    clip_high: float = 0.28,
+    importance_sampling_level: ImportanceSamplingLevel = "token",
+    mask: Tensor | None = None,  # [M, T] response tokens; needed for "sequence"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): ``-sg(min(ρ, 1 + clip_high)) · A · log p`` per token.
+
+    The importance weight is clipped and detached, so no token loses its gradient (PPO's clip zeroes
+    the gradient of clipped tokens); there is no lower bound, as in the paper.
+
+    Returns:
+        ``(token_loss, clipped, weight)``: the per-token loss, where the upper bound was active, and the
+        detached clipped weight.
+    """
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, importance_sampling_level, mask)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().detach()
+    weight = ratio.clamp(max=1.0 + clip_high)
+    return -weight * advantages * logprobs, ratio > 1.0 + clip_high, weight
+
+
+def high_entropy_mask(
+    entropy: Tensor,  # [B, R]
+    mask: Tensor,  # [B, R] response tokens
+    top_entropy_quantile: float,
+) -> Tensor:  # [B, R] bool
+    """Response tokens whose entropy is at least the ``1 - top_entropy_quantile`` quantile of ``mask``'s tokens.
+
+    TRL's definition (linear interpolation between order statistics, ``>=``): with entropies
+    ``[0.1, 0.3, 0.5, 0.9]`` and 0.5 the threshold is 0.4 and the two highest are kept. No token
+    (an empty mask) keeps nothing.
+    """
+    m = mask.bool()
+    values = entropy.detach()[m].float()
+    if values.numel() == 0:
+        return torch.zeros_like(m)
+    threshold = torch.quantile(values, 1.0 - top_entropy_quantile)
+    return (entropy.detach().float() >= threshold) & m
 
 
 def kl_penalty(
@@ -135,14 +213,19 @@ def policy_loss(
     entropy: Tensor | None,  # [B, R]
     mask: Tensor,  # [B, R]
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate + β·KL − entropy bonus, aggregated by ``weights``.
+    """The surrogate (``loss_type``, ``importance_sampling_level``, ``top_entropy_quantile``) + β·KL − entropy
+    bonus, aggregated by ``weights``.
 
-    Returns the micro-batch's share of the batch loss and sums for metrics.
+    Returns the micro-batch's share of the batch loss and sums over ``mask``'s tokens for metrics
+    (``loss_variant/...`` only for the options that are on).
     """
-    token_loss, clipped, dual_clipped = clipped_surrogate(
-        logprobs, old_logprobs, advantages, g.clip_low, g.clip_high, g.dual_clip
-    )
-    stats = {"clip_frac": (clipped & mask).sum(), "dual_clip_frac": (dual_clipped & mask).sum()}
+    token_loss, stats = _surrogate(g, logprobs, old_logprobs, advantages, mask)
+    if g.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the token entropies from sequence_logprobs")
+        keep = high_entropy_mask(entropy, mask, g.top_entropy_quantile)
+        token_loss = token_loss * keep
+        stats["loss_variant/entropy_kept_frac"] = keep.sum()
     if ref_logprobs is not None and g.kl_coef > 0:
         kl = kl_penalty(logprobs, ref_logprobs, g.kl_estimator)
         token_loss = token_loss + g.kl_coef * kl
@@ -153,3 +236,26 @@ def policy_loss(
         stats["entropy"] = (entropy.detach() * mask).sum()
     loss = (token_loss * weights).sum()
     return loss, stats
+
+
+def _surrogate(
+    g: GRPOSettings,
+    logprobs: Tensor,  # [B, R]
+    old_logprobs: Tensor,  # [B, R]
+    advantages: Tensor,  # [B, R]
+    mask: Tensor,  # [B, R]
+) -> tuple[Tensor, dict[str, Tensor]]:  # [B, R] token loss, metric sums
+    """The policy-gradient term of ``g.loss_type`` at ``g.importance_sampling_level``."""
+    level = g.importance_sampling_level
+    if g.loss_type == "cispo":
+        token_loss, clipped, weight = cispo_surrogate(logprobs, old_logprobs, advantages, g.clip_high, level, mask)
+        stats = {"clip_frac": (clipped & mask).sum(), "loss_variant/cispo_weight": (weight * mask).sum()}
+        return token_loss, stats
+    token_loss, clipped, dual_clipped = clipped_surrogate(
+        logprobs, old_logprobs, advantages, g.clip_low, g.clip_high, g.dual_clip, level, mask
+    )
+    stats = {"clip_frac": (clipped & mask).sum(), "dual_clip_frac": (dual_clipped & mask).sum()}
+    if level == "sequence":
+        ratio = importance_log_ratio(logprobs.detach(), old_logprobs, level, mask).clamp(max=LOG_RATIO_CLAMP).exp()
+        stats["loss_variant/sequence_ratio"] = (ratio * mask).sum()
+    return token_loss, stats

@@ -13,6 +13,8 @@ from lightning_memrl.errors import ConfigError, check_option
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "rollout_mean"]
 KLEstimator = Literal["k1", "k3", "low_var_kl"]
+LossType = Literal["clip", "cispo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
 
 
 @dataclass
@@ -40,6 +42,19 @@ class GRPOSettings:
             the model is configured, as TRL does: with dropout the policy's log-probs are noisy,
             so ratios to the old policy differ from 1 before any update and clip spuriously. The
             old and reference log-probs are computed in eval mode (no dropout) either way.
+        loss_type: the surrogate: ``clip`` (PPO's clipped ratio, with ``clip_low``/``clip_high``/
+            ``dual_clip``) or ``cispo`` (MiniMax-M1, arXiv:2506.13585: ``-sg(min(ρ, 1 + clip_high))·A·log p``,
+            every token keeps its gradient; no lower bound, as in the paper; TRL's ``loss_type="cispo"``,
+            whose ``epsilon_high`` is the bound itself: TRL's 5.0 is ``clip_high: 4.0`` here).
+        importance_sampling_level: ``token`` (a ratio per token) or ``sequence`` (GSPO, arXiv:2507.18071:
+            one ratio per turn, ``s = exp(mean_t log ρ_t)`` over its response tokens, clipped to
+            ``[1 - clip_low, 1 + clip_high]``; GSPO uses ``clip_low: 3.0e-4``, ``clip_high: 4.0e-4``), as TRL.
+        top_entropy_quantile: train only the policy-gradient term of the tokens whose entropy is in
+            this top fraction (Wang et al., arXiv:2506.01939 keep 0.2): a token counts when its entropy is
+            at least the ``1 - q`` quantile of the micro-batch's response tokens, as TRL; the others keep
+            their KL term and their place in the aggregation's denominator. 1.0 trains every token.
+        mask_truncated_completions: turns that hit their token cap without ending get no loss at all
+            (zero weight, and out of the aggregation's token counts), as TRL and DAPO's overlong filtering.
     """
 
     group_size: int = 4
@@ -55,6 +70,10 @@ class GRPOSettings:
     max_grad_norm: float = 1.0
     max_consecutive_skipped_steps: int = 5
     disable_dropout: bool = True
+    loss_type: LossType = "clip"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    top_entropy_quantile: float = 1.0
+    mask_truncated_completions: bool = False
 
     def __post_init__(self) -> None:
         p = "model.init_args.grpo."
@@ -69,6 +88,22 @@ class GRPOSettings:
         check_option(p + "micro_batch_tokens", self.micro_batch_tokens, 1)
         check_option(p + "max_grad_norm", self.max_grad_norm, 0.0, why="0 disables clipping")
         check_option(p + "max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1)
+        check_choice(p + "loss_type", self.loss_type, ("clip", "cispo"))
+        check_choice(p + "importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        check_option(
+            p + "top_entropy_quantile", self.top_entropy_quantile, 0.0, 1.0, low_open=True, why="1 trains every token"
+        )
+        if self.loss_type == "cispo" and self.dual_clip is not None:
+            raise ConfigError(
+                f"{p}dual_clip bounds the clipped surrogate of loss_type 'clip'; loss_type 'cispo' has none: "
+                "set dual_clip: null"
+            )
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise :class:`ConfigError` naming ``name`` and its choices unless ``value`` is one of them."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
 
 
 @dataclass

@@ -147,6 +147,9 @@ def step_metrics(
         "time/rollout_tokens_per_s": tokens / max(rollout_time, 1e-9),
         "time/update_tokens_per_s": tokens * ppo_epochs / max(update_time, 1e-9),
     }
+    for key, value in stats.items():  # the loss options that are on (GRPOSettings): the same keys on every rank
+        if key.startswith("loss_variant/"):
+            metrics[f"train/{key}"] = value
     if with_kl:  # every rank logs the same keys (sync_dist), one without turns too
         metrics["train/kl"] = stats.get("kl", 0.0)
     for name, values in rollouts.reward_components.items():
