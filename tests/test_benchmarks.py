@@ -37,3 +37,12 @@ def test_comparison_table_rows_and_ratio_column(bench):
     assert rows[1][:3] == ["RSS", 10.0, 20.0] and math.isnan(rows[1][3])  # no ratio for this row
     headers, rows = bu.comparison_table(labels, results, ["trl"], {}, names, "ours / TRL")
     assert headers == ["", "TRL"] and rows == [["step (s)", 4.0], ["RSS", 20.0]]
+
+
+def test_credit_cost_times_every_credit_overlay_or_the_named_ones(bench):
+    credit_cost = importlib.import_module("credit_cost")
+    every = credit_cost.overlays(None)
+    assert [p.stem for p in every] == sorted(p.stem for p in (BENCHMARKS.parent / "examples" / "credit").glob("*.yaml"))
+    assert [p.stem for p in credit_cost.overlays(["tips", "gspo"])] == ["gspo", "tips"]
+    with pytest.raises(SystemExit, match=r"no examples/credit/<name>.yaml for \['nope'\]"):
+        credit_cost.overlays(["tips", "nope"])

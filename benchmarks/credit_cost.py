@@ -1,0 +1,95 @@
+"""What each credit method adds to a step: ``time/*`` medians with and without it.
+
+    python benchmarks/credit_cost.py --config configs/memagent/quickstart.yaml --steps 4 --threads 2
+
+Runs ``lightning-memrl fit`` once on ``--config`` alone and once per overlay in ``examples/credit/``
+(or those named with ``--only``), ``--steps`` steps each without validation, and reports the median
+of every ``time/*`` metric over the steps after the first (warm-up), plus the method's own
+``train/<method>/teacher_seconds`` where it logs one. Writes
+``benchmarks/results/credit_cost_<config>.json`` and prints a markdown table. Run it alone on the
+machine: other jobs change the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import bench_utils as bu
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = ["time/step_s", "time/rollout_s", "time/update_s"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/memagent/quickstart.yaml", help="base config to time")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is warm-up)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    parser.add_argument("--only", nargs="*", default=None, help="overlay names (file stems) to run; default all")
+    return parser.parse_args(argv)
+
+
+def overlays(only: list[str] | None) -> list[Path]:
+    """The credit overlays to time, by file stem."""
+    found = sorted((REPO / "examples" / "credit").glob("*.yaml"))
+    if only is None:
+        return found
+    missing = sorted(set(only) - {p.stem for p in found})
+    if missing:
+        raise SystemExit(f"--only: no examples/credit/<name>.yaml for {missing}")
+    return [p for p in found if p.stem in only]
+
+
+def run_fit(config: Path, overlay: Path | None, args: argparse.Namespace) -> dict[str, float]:
+    """Medians of the ``time/*`` metrics (and any ``teacher_seconds``) of one ``fit`` after its warm-up step."""
+    exe = shutil.which("lightning-memrl") or str(Path(sys.executable).with_name("lightning-memrl"))
+    cmd = [exe, "fit", "--config", str(config), *(["--config", str(overlay)] if overlay else [])]
+    cmd += ["--trainer.max_steps", str(args.steps), "--trainer.limit_val_batches", "0"]
+    cmd += ["--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO / "examples")}
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-6000:])
+            raise SystemExit(f"{overlay.name if overlay else config.name}: fit failed (exit {proc.returncode})")
+        rows = [r for r in csv.DictReader(open(next(Path(tmp).glob("**/metrics.csv")))) if r.get("time/step_s")]
+    rows = rows[1:] or rows
+    keys = KEYS + sorted({k for r in rows for k in r if k.endswith("/teacher_seconds")})
+    return {k: bu.median([float(r[k]) for r in rows if r.get(k)]) for k in keys}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    config = (REPO / args.config).resolve() if not Path(args.config).is_absolute() else Path(args.config)
+    base = run_fit(config, None, args)
+    runs = {"(none)": base}
+    for overlay in overlays(args.only):
+        runs[overlay.stem] = run_fit(config, overlay, args)
+        print(f"{overlay.stem}: step {runs[overlay.stem]['time/step_s']:.3f} s", flush=True)
+    headers = ["method", "step s", "rollout s", "update s", "teacher s", "step vs none"]
+    table = [
+        [
+            name,
+            *(m[k] for k in KEYS),
+            sum(v for k, v in m.items() if k.endswith("teacher_seconds")),
+            bu.ratio(m["time/step_s"], base["time/step_s"]),
+        ]
+        for name, m in runs.items()
+    ]
+    result = {"config": args.config, "steps": args.steps, "machine": bu.machine(args.threads), "runs": runs}
+    path = bu.write_result(f"credit_cost_{config.stem}", result)
+    print(bu.markdown_table(headers, table))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
