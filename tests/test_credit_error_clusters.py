@@ -132,6 +132,15 @@ def test_buffer_keeps_the_newest_failures(monkeypatch):
     assert len(callback.keys) == 5
 
 
+def test_a_step_with_more_failures_than_the_buffer_keeps_its_last(monkeypatch):
+    callback = ErrorClusterPenalty(buffer_size=2)
+    _fake_teacher(callback, monkeypatch)
+    step1 = _batch(STEP1, group_size=7)
+    callback.on_rewards(None, FakeModule(), step1)
+    torch.testing.assert_close(callback.vectors, F.normalize(torch.stack([B[1], NOISE]), dim=-1))
+    torch.testing.assert_close(step1.rewards, torch.tensor([1.0] + [0.0] * 6))
+
+
 def test_state_dict_round_trip_keeps_the_buffer(monkeypatch):
     first = ErrorClusterPenalty(alpha=0.3, max_penalty=0.4)
     _fake_teacher(first, monkeypatch)

@@ -111,7 +111,8 @@ class ErrorClusterPenalty(MemRLCallback):
       its adapters off: :func:`~lightning_memrl.credit.teacher.teacher_model`), the decoder's *last* hidden
       layer (after the final norm, what the LM head reads) mean-pooled over the response tokens, then
       L2-normalised (the paper's code normalises before clustering);
-    - the step's failures join a buffer of the last ``buffer_size`` failures (oldest dropped first); each
+    - the step's failures join a buffer of the last ``buffer_size`` failures (oldest dropped first; a step
+      with more failures than that keeps its last ``buffer_size``, the others get no penalty); each
       group of the buffer (same task when ``group_by: task``, the paper's per-prompt memory; the whole
       buffer when ``all``) that changed is clustered again by HDBSCAN (``min_cluster_size``,
       ``min_samples``, euclidean on the unit vectors);
@@ -225,8 +226,9 @@ class ErrorClusterPenalty(MemRLCallback):
                 labels[rows] = density_clusters(stacked[rows], self.min_cluster_size, self.min_samples)
         self.keys, self.vectors, self.labels = all_keys, stacked, labels
         sizes = torch.zeros(len(keys), dtype=torch.long)
-        for j, i in enumerate(range(len(all_keys) - len(keys), len(all_keys))):
-            if labels[i] >= 0:
+        for j in range(len(keys)):
+            i = old + j  # where new failure j sits now; < 0: more new failures than buffer_size, it was dropped
+            if i >= 0 and labels[i] >= 0:
                 same = [r for r in range(max(old, 0)) if all_keys[r] == all_keys[i] and labels[r] == labels[i]]
                 sizes[j] = len(same)
         return sizes
