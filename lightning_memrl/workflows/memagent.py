@@ -111,23 +111,59 @@ class MemAgentWorkflow(Workflow):
         generations = generate_in_lockstep(engine, [trajectory] * n, [prompt] * n, settings, scratch.max_memory_tokens)
         return [Turn(MEMORY_TURN, prompt, gen, scratch.write(0, gen.token_ids, tokenizer)) for gen in generations]
 
+    def continue_rerolls(
+        self, engine: RolloutBackend, trajectory: Trajectory, k: int, turns: list[Turn], settings: GenerationSettings
+    ) -> list[Trajectory]:
+        """One trajectory per turn of ``turns`` (re-rolls of memory turn ``k``): ``trajectory``'s first ``k``
+        turns, the re-roll, then the remaining chunks read from the re-rolled memory and an answer.
+
+        Neither ``trajectory`` nor the workflow's memory store changes.
+        """
+        store = TextMemoryStore(self.memory.max_memory_tokens, empty_text=self.memory.empty_text)
+        store.reset(len(turns))
+        continued = []
+        for slot, turn in enumerate(turns):
+            store.texts[slot] = turn.text
+            continued.append(
+                Trajectory(
+                    task=trajectory.task,
+                    turns=[*trajectory.turns[:k], turn],
+                    memories=[*trajectory.memories[:k], turn.text],
+                    chunks=trajectory.chunks,
+                    chunks_dropped=trajectory.chunks_dropped,
+                    info=dict(trajectory.info),
+                )
+            )
+        return self._read_and_answer(engine, continued, store, settings)
+
     def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
-        tokenizer = engine.tokenizer
-        trajectories = chunked_trajectories(tasks, tokenizer, self.chunk_tokens, self.max_chunks)
+        trajectories = chunked_trajectories(tasks, engine.tokenizer, self.chunk_tokens, self.max_chunks)
         self.memory.reset(len(trajectories))
+        return self._read_and_answer(engine, trajectories, self.memory, settings)
+
+    def _read_and_answer(
+        self,
+        engine: RolloutBackend,
+        trajectories: list[Trajectory],
+        store: TextMemoryStore,
+        settings: GenerationSettings,
+    ) -> list[Trajectory]:
+        """Memory turns over each trajectory's chunks from its first unread one (``len(memories)``) on, with
+        slot ``i`` of ``store`` as trajectory ``i``'s memory, then every trajectory's answer turn."""
+        tokenizer = engine.tokenizer
         for k in range(max(len(t.chunks) for t in trajectories)):
-            active = [i for i, t in enumerate(trajectories) if k < len(t.chunks)]
+            active = [i for i, t in enumerate(trajectories) if len(t.memories) <= k < len(t.chunks)]
+            if not active:
+                continue
             running = [trajectories[i] for i in active]
-            prompts = [self.memory_prompt(trajectories[i], k, self.memory.read(i), tokenizer) for i in active]
-            generations = generate_in_lockstep(engine, running, prompts, settings, self.memory.max_memory_tokens)
+            prompts = [self.memory_prompt(trajectories[i], k, store.read(i), tokenizer) for i in active]
+            generations = generate_in_lockstep(engine, running, prompts, settings, store.max_memory_tokens)
             for i, prompt, gen in zip(active, prompts, generations):
-                text = self.memory.write(i, gen.token_ids, tokenizer)
+                text = store.write(i, gen.token_ids, tokenizer)
                 trajectories[i].turns.append(Turn(MEMORY_TURN, prompt, gen, text))
                 trajectories[i].memories.append(text)
         prompts = [
-            self.encode_prompt(
-                self.answer_template.format(problem=t.task.question, memory=self.memory.read(i)), tokenizer
-            )
+            self.encode_prompt(self.answer_template.format(problem=t.task.question, memory=store.read(i)), tokenizer)
             for i, t in enumerate(trajectories)
         ]
         append_answer_turns(engine, trajectories, prompts, settings)
