@@ -50,11 +50,10 @@ class LocalRerollouts(MemRLCallback):
 
     ``A_j = A_global_j + local_coef * (r_j - mean_{i in G} r_i)``
 
-    (a member whose reward is NaN, e.g. unscored, gets no local term and is left out of the mean; counted)
-
     with ``A_global`` the trajectory's advantage (whatever earlier callbacks left) on the original
     turn and 0 on a re-roll (a re-roll has no trajectory outcome of its own): the global objective
-    trains every turn as before, the local one adds a comparison of writes made from one state.
+    trains every turn as before, the local one adds a comparison of writes made from one state. A
+    member whose reward is NaN (e.g. unscored) gets no local term and is left out of the mean (counted).
     List this callback after other memory-credit callbacks, so they do not rescale the re-roll rows.
     Re-roll rows count toward their trajectory's tokens under ``loss_aggregation`` and in
     ``train/turns_per_trajectory``.
@@ -72,6 +71,9 @@ class LocalRerollouts(MemRLCallback):
         local_coef: weight of the local advantage, >= 0.
         local_reward: ``outcome`` or ``memory_recall`` (see 3.).
         seed: seed of the generator that picks trajectories and turns.
+
+    The defaults (``probability`` 0.25, ``num_rerollouts`` 4, ``local_coef`` 1) are this library's
+    starting point, not tuned values.
     """
 
     def __init__(
