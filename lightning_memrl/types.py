@@ -120,6 +120,53 @@ class RolloutBatch:
             turn_rewards=torch.tensor([float(t.reward) for _, t in turns]),
         )
 
+    def append_turns(self, turns: list[Turn], trajectory_indices: list[int], pad_id: int) -> list[int]:
+        """Add ``turns`` as extra trainable rows (e.g. re-rolls of a turn), each tied to a trajectory.
+
+        The rows are not added to any ``Trajectory.turns``: they take part in the update only. Responses
+        are right-padded to the wider of the batch's and the new turns' widths; a new row's turn reward
+        is the turn's ``reward`` and, when advantages were already assigned, its advantages are 0.
+
+        Args:
+            turns: the turns to add, in order.
+            trajectory_indices: for each turn, the trajectory (row of ``rewards``) it belongs to.
+            pad_id: token id that pads responses.
+
+        Returns:
+            The row index of each added turn.
+
+        Raises:
+            ValueError: ``turns`` and ``trajectory_indices`` differ in length, an index is out of range, or a
+                turn is not trainable.
+        """
+        if len(turns) != len(trajectory_indices):
+            raise ValueError(f"append_turns: {len(turns)} turns but {len(trajectory_indices)} trajectory indices")
+        if not all(t.trainable for t in turns):
+            raise ValueError("append_turns: every added turn must be trainable (an added row is trained)")
+        if any(not 0 <= i < self.num_trajectories for i in trajectory_indices):
+            raise ValueError(f"append_turns: indices {trajectory_indices} not in [0, {self.num_trajectories})")
+        first = self.response_ids.shape[0]
+        if not turns:
+            return []
+        extra = RolloutBatch.from_trajectories([Trajectory(task=Task("", "", []), turns=list(turns))], 1, pad_id)
+        width = max(self.response_ids.shape[1], extra.response_ids.shape[1])
+
+        def stack(old: Tensor, new: Tensor, fill: float) -> Tensor:  # [M, T] and [m, t] -> [M + m, width]
+            pad = [torch.nn.functional.pad(x, (0, width - x.shape[1]), value=fill) for x in (old, new)]
+            return torch.cat(pad)
+
+        if self.advantages.numel():
+            self.advantages = stack(self.advantages, torch.zeros_like(extra.rollout_logprobs), 0.0)
+        self.response_ids = stack(self.response_ids, extra.response_ids, pad_id)
+        self.response_mask = stack(self.response_mask, extra.response_mask, 0)
+        self.rollout_logprobs = stack(self.rollout_logprobs, extra.rollout_logprobs, 0.0)
+        self.prompt_ids = [*self.prompt_ids, *extra.prompt_ids]
+        self.turn_to_trajectory = torch.cat([self.turn_to_trajectory, torch.tensor(trajectory_indices)])
+        self.memory_turns = torch.cat([self.memory_turns, extra.memory_turns])
+        self.truncated = torch.cat([self.truncated, extra.truncated])
+        self.turn_rewards = torch.cat([self.turn_rewards, extra.turn_rewards])
+        return list(range(first, first + len(turns)))
+
     @property
     def num_trajectories(self) -> int:
         return len(self.trajectories)

@@ -78,33 +78,92 @@ class MemAgentWorkflow(Workflow):
         """Prompt ids of one user message (through the chat template when there is one)."""
         return encode_chat_prompt(text, tokenizer, self.system_prompt)
 
-    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
-        tokenizer = engine.tokenizer
-        trajectories = chunked_trajectories(tasks, tokenizer, self.chunk_tokens, self.max_chunks)
-        self.memory.reset(len(trajectories))
-        for k in range(max(len(t.chunks) for t in trajectories)):
-            active = [i for i, t in enumerate(trajectories) if k < len(t.chunks)]
-            running = [trajectories[i] for i in active]
-            prompts = [
-                self.encode_prompt(
-                    self.memory_template.format(
-                        problem=trajectories[i].task.question,
-                        chunk=trajectories[i].chunks[k],
-                        memory=self.memory.read(i),
-                    ),
-                    tokenizer,
+    def memory_prompt(self, trajectory: Trajectory, k: int, memory: str, tokenizer: Any) -> list[int]:
+        """Prompt ids of memory turn ``k`` of ``trajectory``: its chunk ``k`` with ``memory`` as the notes so far."""
+        text = self.memory_template.format(problem=trajectory.task.question, chunk=trajectory.chunks[k], memory=memory)
+        return self.encode_prompt(text, tokenizer)
+
+    def reroll_memory_turn(
+        self, engine: RolloutBackend, trajectory: Trajectory, k: int, n: int, settings: GenerationSettings
+    ) -> list[Turn]:
+        """Sample memory turn ``k`` of ``trajectory`` again ``n`` times from the same pre-write state.
+
+        The state is what turn ``k`` read: memory ``m_{k-1}`` (``trajectory.memories[k-1]``, the empty
+        memory for ``k = 0``) and chunk ``k``; the prompt is rebuilt and checked to equal the recorded
+        ``turn.prompt_ids``. Each re-roll's ``text`` is the memory it would write (cut to the budget);
+        neither the trajectory nor the workflow's memory store changes.
+
+        Raises:
+            ValueError: ``k`` is not a memory turn of ``trajectory``, or the rebuilt prompt differs from
+                the recorded one (the trajectory was not written by this workflow's templates).
+        """
+        if not 0 <= k < len(trajectory.memories) or trajectory.turns[k].kind != MEMORY_TURN:
+            raise ValueError(f"reroll_memory_turn: turn {k} of task {trajectory.task.id!r} is not a memory turn")
+        tokenizer, empty = engine.tokenizer, self.memory.empty_text
+        prompt = self.memory_prompt(trajectory, k, (trajectory.memories[k - 1] if k else "") or empty, tokenizer)
+        if prompt != trajectory.turns[k].prompt_ids:
+            raise ValueError(
+                f"reroll_memory_turn: the rebuilt prompt of memory turn {k} (task {trajectory.task.id!r}) differs "
+                "from the recorded one; re-roll trajectories of this workflow with its own templates"
+            )
+        scratch = TextMemoryStore(self.memory.max_memory_tokens, empty_text=empty)
+        scratch.reset(1)
+        generations = generate_in_lockstep(engine, [trajectory] * n, [prompt] * n, settings, scratch.max_memory_tokens)
+        return [Turn(MEMORY_TURN, prompt, gen, scratch.write(0, gen.token_ids, tokenizer)) for gen in generations]
+
+    def continue_rerolls(
+        self, engine: RolloutBackend, trajectory: Trajectory, k: int, turns: list[Turn], settings: GenerationSettings
+    ) -> list[Trajectory]:
+        """One trajectory per turn of ``turns`` (re-rolls of memory turn ``k``): ``trajectory``'s first ``k``
+        turns, the re-roll, then the remaining chunks read from the re-rolled memory and an answer.
+
+        Neither ``trajectory`` nor the workflow's memory store changes.
+        """
+        store = TextMemoryStore(self.memory.max_memory_tokens, empty_text=self.memory.empty_text)
+        store.reset(len(turns))
+        continued = []
+        for slot, turn in enumerate(turns):
+            store.texts[slot] = turn.text
+            continued.append(
+                Trajectory(
+                    task=trajectory.task,
+                    turns=[*trajectory.turns[:k], turn],
+                    memories=[*trajectory.memories[:k], turn.text],
+                    chunks=trajectory.chunks,
+                    chunks_dropped=trajectory.chunks_dropped,
+                    info=dict(trajectory.info),
                 )
-                for i in active
-            ]
-            generations = generate_in_lockstep(engine, running, prompts, settings, self.memory.max_memory_tokens)
+            )
+        return self._read_and_answer(engine, continued, store, settings)
+
+    def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
+        trajectories = chunked_trajectories(tasks, engine.tokenizer, self.chunk_tokens, self.max_chunks)
+        self.memory.reset(len(trajectories))
+        return self._read_and_answer(engine, trajectories, self.memory, settings)
+
+    def _read_and_answer(
+        self,
+        engine: RolloutBackend,
+        trajectories: list[Trajectory],
+        store: TextMemoryStore,
+        settings: GenerationSettings,
+    ) -> list[Trajectory]:
+        """Memory turns over each trajectory's chunks from its first unread one (``len(memories)``) on, with
+        slot ``i`` of ``store`` as trajectory ``i``'s memory, then every trajectory's answer turn."""
+        tokenizer = engine.tokenizer
+        for k in range(max(len(t.chunks) for t in trajectories)):
+            active = [i for i, t in enumerate(trajectories) if len(t.memories) <= k < len(t.chunks)]
+            if not active:
+                continue
+            running = [trajectories[i] for i in active]
+            prompts = [self.memory_prompt(trajectories[i], k, store.read(i), tokenizer) for i in active]
+            generations = generate_in_lockstep(engine, running, prompts, settings, store.max_memory_tokens)
             for i, prompt, gen in zip(active, prompts, generations):
-                text = self.memory.write(i, gen.token_ids, tokenizer)
+                text = store.write(i, gen.token_ids, tokenizer)
                 trajectories[i].turns.append(Turn(MEMORY_TURN, prompt, gen, text))
                 trajectories[i].memories.append(text)
         prompts = [
-            self.encode_prompt(
-                self.answer_template.format(problem=t.task.question, memory=self.memory.read(i)), tokenizer
-            )
+            self.encode_prompt(self.answer_template.format(problem=t.task.question, memory=store.read(i)), tokenizer)
             for i, t in enumerate(trajectories)
         ]
         append_answer_turns(engine, trajectories, prompts, settings)
