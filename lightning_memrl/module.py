@@ -262,6 +262,9 @@ class MemRLModule(L.LightningModule):
     def _advantages(self, rollouts: RolloutBatch) -> None:
         """(e) the estimator's advantage per trajectory on every token of its turns; (f) ``on_advantages``."""
         assign_advantages(rollouts, self.advantage)
+        metrics = getattr(self.advantage, "metrics", dict)()  # what the estimator measured, if anything
+        if metrics:
+            self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=rollouts.num_trajectories)
         for callback in self._memrl_callbacks():
             callback.on_advantages(self.trainer, self, rollouts)
 
