@@ -3,8 +3,10 @@ nothing, the refill generator in checkpoints, and the real training loop skippin
 
 from __future__ import annotations
 
+import csv
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -25,6 +27,7 @@ from lightning_memrl.rewards import RewardFunction
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
 
 NAN = float("nan")
+REPO = Path(__file__).resolve().parents[1]
 G = 2
 TASKS = [Task("q", ["c"], ["a"], id=f"t{i}") for i in range(6)]
 # DynamicSampling(seed=0) over these 6 tasks draws, 2 per round: [t2, t4], [t5, t0], [t5, t0], [t4, t2]
@@ -221,3 +224,33 @@ def test_the_training_loop_runs_steps_that_keep_nothing_without_changing_a_weigh
     # per step: the first batch's group and one refill round's group, both dropped
     assert [row["train/dynamic_sampling/dropped_groups"] for row in logged.rows] == [2.0, 2.0]
     assert all(math.isnan(row["train/reward"]) and row["train/loss"] == 0.0 for row in logged.rows)
+
+
+def _ds_metrics(cwd: Path) -> dict[int, list[float]]:
+    """Loss, reward and the dynamic-sampling counts by optimizer step (1-based) over every metrics.csv of a run."""
+    keys = ["train/loss", "train/reward"] + [f"train/dynamic_sampling/{k}" for k in ("kept_groups", "dropped_groups")]
+    out = {}
+    for path in sorted((cwd / "logs" / "tiny" / "csv").glob("version_*/metrics.csv")):
+        for row in csv.DictReader(open(path)):
+            if row.get("train/loss"):
+                out[int(row["step"]) + 1] = [float(row[k]) for k in keys]
+    return out
+
+
+def test_a_resumed_run_draws_and_trains_what_an_uninterrupted_run_does(tmp_path) -> None:
+    """Stopped after step 3 and resumed: steps 4-6 draw the same refills (same kept and dropped groups), log
+    the same loss and reward (NaN on a step that kept nothing), and end on the same weights."""
+    from test_resume import _run, _weights
+
+    overlay = ["--config", str(REPO / "examples" / "credit" / "dynamic_sampling.yaml")]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir(), resumed.mkdir()
+    _run(straight, 8, *overlay)
+    _run(resumed, 8, *overlay, "--trainer.max_steps", "3")
+    _run(resumed, 8, *overlay, "--ckpt_path", "last")
+    a, b = _ds_metrics(resumed), _ds_metrics(straight)
+    for step in range(4, 7):
+        assert a[step] == pytest.approx(b[step], abs=1e-6, nan_ok=True), (step, a[step], b[step])
+    assert sum(b[step][2] for step in range(4, 7)) > 0  # something was trained after the resume
+    wa, wb = _weights(resumed), _weights(straight)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 1e-6
