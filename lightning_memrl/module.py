@@ -3,8 +3,9 @@
 One training step (``training_step``):
 
 (a) repeat each task ``group_size`` times → (b) :meth:`rollout` (the workflow's batched turns)
-→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` → (e) the
-``advantage`` estimator per trajectory, broadcast to every token of its turns → (f) callbacks'
+→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` (with
+``dynamic_sampling``: groups of equal rewards dropped, further tasks rolled out and scored) → (e)
+the ``advantage`` estimator per trajectory (or per turn), broadcast to the tokens → (f) callbacks'
 ``on_advantages`` → (g) :meth:`update`: ``ppo_epochs`` passes over token-budgeted micro-batches
 of the policy loss, gradient clipping, optimizer and LR-scheduler steps → (h) metrics.
 """

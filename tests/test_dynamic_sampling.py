@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import pickle
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -177,6 +178,13 @@ def test_the_refill_generator_resumes_from_its_state() -> None:
     resumed = sampler(seed=123)  # state overrides the seed
     resumed.load_state_dict(first.state_dict())
     assert [[t.id for t in resumed.draw(2)] for _ in range(2)] == draws[2:]
+
+
+def test_a_pickled_sampler_leaves_the_training_tasks_out() -> None:
+    # the module's hyperparameters, pickled into every checkpoint, hold the sampler
+    copy = pickle.loads(pickle.dumps(sampler()))
+    assert copy.tasks == [] and copy.max_extra_batches == 9
+    assert [t.id for t in sampler().draw(2)] == ["t2", "t4"]
 
 
 def test_options_and_a_fit_without_training_tasks_are_named() -> None:

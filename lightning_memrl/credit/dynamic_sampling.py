@@ -231,6 +231,10 @@ class DynamicSampling:
                 "dynamic_sampling"
             )
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (the module's hyperparameters in a checkpoint) without the training tasks: setup takes them again."""
+        return {**self.__dict__, "tasks": []}
+
     def state_dict(self) -> dict[str, Any]:
         """The refill generator's state and the empty-step counts (saved in the checkpoint)."""
         return {
