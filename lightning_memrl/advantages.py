@@ -12,9 +12,11 @@
 
 A new estimator is one file: subclass :class:`AdvantageEstimator` and implement
 :meth:`~AdvantageEstimator.from_rewards` (or ``__call__`` when it needs more than the rewards);
-``examples/custom_advantages.py`` is one (RLOO). Shapes: ``N`` trajectories (``num_tasks *
-group_size``, the members of a group contiguous), ``G`` the group size, ``M`` turns, ``T`` the
-padded response length.
+``examples/custom_advantages.py`` is one (RLOO). An estimator that sets ``per_turn = True``
+returns one advantage per trainable turn ([M], e.g.
+:class:`~lightning_memrl.credit.turn_level.TurnLevelAdvantage`) instead of one per trajectory.
+Shapes: ``N`` trajectories (``num_tasks * group_size``, the members of a group contiguous), ``G``
+the group size, ``M`` turns, ``T`` the padded response length.
 """
 
 from __future__ import annotations
@@ -44,7 +46,16 @@ class AdvantageEstimator:
     Rules: a NaN reward gets advantage 0 and is left out of every other trajectory's baseline;
     the result is finite. The default ``__call__`` hands :meth:`from_rewards` the rewards and the
     group size, which is all a group-baseline method needs.
+
+    Per-turn estimators: a subclass that sets the class attribute ``per_turn = True`` returns one
+    advantage per trainable turn instead, [M] float32 in the row order of ``rollouts.response_ids``;
+    each turn's tokens get its own advantage, and ``trajectory_advantages`` (for the metrics) is the
+    mean over each trajectory's turns. The choice is declared, not guessed from the shape: ``N`` and
+    ``M`` are equal whenever every trajectory has one turn. :meth:`metrics` may return what the last
+    call measured; the module logs it as ``train/<key>``.
     """
+
+    per_turn: bool = False  # True: __call__ returns one advantage per trainable turn [M]
 
     def __call__(self, rollouts: RolloutBatch) -> Tensor:  # [N]
         """One advantage per trajectory of ``rollouts``."""
@@ -55,6 +66,10 @@ class AdvantageEstimator:
         raise NotImplementedError(
             f"{type(self).__name__} must implement from_rewards(rewards, group_size) or __call__(rollouts)"
         )
+
+    def metrics(self) -> dict[str, float]:
+        """What the last call measured, logged by the module as ``train/<key>`` (none by default)."""
+        return {}
 
 
 def grouped_rewards(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -121,18 +136,34 @@ class GroupRelative(AdvantageEstimator):
 def assign_advantages(rollouts: RolloutBatch, estimator: AdvantageEstimator) -> None:
     """Set ``rollouts.trajectory_advantages`` [N] by ``estimator`` and ``rollouts.advantages`` [M, T].
 
-    Every generated token of a trajectory's trainable turns gets the trajectory's advantage.
+    Every generated token of a trajectory's trainable turns gets the trajectory's advantage; with a
+    ``per_turn`` estimator every token of a turn gets the turn's advantage, and a trajectory's
+    advantage is the mean of its turns' (0 without a trainable turn).
 
     Raises:
-        ValueError: the estimator returned something other than one number per trajectory.
+        ValueError: the estimator returned something other than one number per trajectory (per turn).
     """
     advantages = estimator(rollouts)
-    if not isinstance(advantages, Tensor) or advantages.shape != (rollouts.num_trajectories,):
+    per_turn = getattr(estimator, "per_turn", False)
+    rows, what = (rollouts.response_ids.shape[0], "turn") if per_turn else (rollouts.num_trajectories, "trajectory")
+    if not isinstance(advantages, Tensor) or advantages.shape != (rows,):
         shape = tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
         raise ValueError(
             f"advantage estimator {type(estimator).__name__} returned {shape}; expected one advantage "
-            f"per trajectory, a tensor of shape ({rollouts.num_trajectories},)"
+            f"per {what}, a tensor of shape ({rows},)"
         )
-    rollouts.trajectory_advantages = advantages  # [N]
-    per_turn = advantages[rollouts.turn_to_trajectory]  # [M]
-    rollouts.advantages = per_turn.unsqueeze(-1) * rollouts.response_mask  # [M, T]
+    if per_turn:
+        rollouts.trajectory_advantages = turn_means(advantages, rollouts.turn_to_trajectory, rollouts.num_trajectories)
+        per_row = advantages  # [M]
+    else:
+        rollouts.trajectory_advantages = advantages  # [N]
+        per_row = advantages[rollouts.turn_to_trajectory]  # [M]
+    rollouts.advantages = per_row.unsqueeze(-1) * rollouts.response_mask  # [M, T]
+
+
+def turn_means(values: Tensor, turn_to_trajectory: Tensor, num_trajectories: int) -> Tensor:  # [M] -> [N]
+    """Mean of each trajectory's per-turn ``values`` (0 for a trajectory without a turn)."""
+    sums = torch.zeros(num_trajectories, dtype=values.dtype).index_add_(0, turn_to_trajectory, values)
+    ones = torch.ones_like(values)
+    counts = torch.zeros(num_trajectories, dtype=values.dtype).index_add_(0, turn_to_trajectory, ones)
+    return sums / counts.clamp(min=1)

@@ -3,8 +3,9 @@
 One training step (``training_step``):
 
 (a) repeat each task ``group_size`` times → (b) :meth:`rollout` (the workflow's batched turns)
-→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` → (e) the
-``advantage`` estimator per trajectory, broadcast to every token of its turns → (f) callbacks'
+→ (c) :meth:`score` (weighted reward functions) → (d) callbacks' ``on_rewards`` (with
+``dynamic_sampling``: groups of equal rewards dropped, further tasks rolled out and scored) → (e)
+the ``advantage`` estimator per trajectory (or per turn), broadcast to the tokens → (f) callbacks'
 ``on_advantages`` → (g) :meth:`update`: ``ppo_epochs`` passes over token-budgeted micro-batches
 of the policy loss, gradient clipping, optimizer and LR-scheduler steps → (h) metrics.
 """
@@ -24,6 +25,7 @@ from torchmetrics import MeanMetric
 from lightning_memrl import distributed, guards, learner
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
+from lightning_memrl.credit.dynamic_sampling import DynamicSampling
 from lightning_memrl.evaluation.report import EvaluationLog, step_metrics
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.resume import ExactResume
@@ -72,6 +74,8 @@ class MemRLModule(L.LightningModule):
         rollout: the rollout backend, built as ``rollout(policy, tokenizer)`` (see
             :mod:`lightning_memrl.rollout.base`); in YAML ``{class_path: ..., init_args: {...}}``.
             None: :class:`~lightning_memrl.rollout.hf.RolloutEngine`, sampling from the live policy.
+        dynamic_sampling: DAPO's dynamic sampling (groups of equal rewards dropped, refilled with further
+            tasks' groups, :class:`~lightning_memrl.credit.dynamic_sampling.DynamicSampling`); None: off.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class MemRLModule(L.LightningModule):
         optimizer: OptimizerSettings | None = None,
         seed: int = 0,
         rollout: RolloutBackendFactory | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -111,6 +116,7 @@ class MemRLModule(L.LightningModule):
         self.share_prefixes = share_prefixes
         self.rollout_factory = rollout or partial(RolloutEngine, share_prefixes=share_prefixes)
         self.grpo = grpo or GRPOSettings()
+        self.dynamic_sampling = dynamic_sampling
         self.optim = optimizer or OptimizerSettings()
         self._skips = guards.SkipCounter(self.grpo.max_consecutive_skipped_steps)
         names = [r.name for r in self.reward_functions]
@@ -241,6 +247,8 @@ class MemRLModule(L.LightningModule):
         rollouts = self.rollout(tasks, self.generation)  # (b)
         rollout_time = time.perf_counter() - step_start
         reward_stats = self._rewards(rollouts)  # (c) (d)
+        if self.dynamic_sampling is not None:  # all-equal groups out, further tasks' groups in (none: empty batch)
+            rollouts = self.dynamic_sampling.resample(self, rollouts, reward_stats, len(batch))
         self._advantages(rollouts)  # (e) (f)
         self._workflow_step(rollouts)  # the workflow's own modules (e.g. a reranker) and metrics
         update_start = time.perf_counter()
@@ -262,6 +270,9 @@ class MemRLModule(L.LightningModule):
     def _advantages(self, rollouts: RolloutBatch) -> None:
         """(e) the estimator's advantage per trajectory on every token of its turns; (f) ``on_advantages``."""
         assign_advantages(rollouts, self.advantage)
+        metrics = getattr(self.advantage, "metrics", dict)()  # what the estimator measured, if anything
+        if metrics:
+            self.log_dict({f"train/{k}": v for k, v in metrics.items()}, batch_size=rollouts.num_trajectories)
         for callback in self._memrl_callbacks():
             callback.on_advantages(self.trainer, self, rollouts)
 
@@ -329,10 +340,18 @@ class MemRLModule(L.LightningModule):
         """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``)."""
         return [ExactResume()]
 
+    def setup(self, stage: str) -> None:
+        if self.dynamic_sampling is not None and stage == "fit":
+            self.dynamic_sampling.setup(self.trainer.datamodule)  # refill tasks come from its training tasks
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         guards.check_finite_checkpoint(checkpoint)  # a NaN checkpoint would replace the last good one
         checkpoint["memrl_workflow"] = self.workflow.state_dict()
+        if self.dynamic_sampling is not None:
+            checkpoint["memrl_dynamic_sampling"] = self.dynamic_sampling.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.workflow.load_state_dict(checkpoint.get("memrl_workflow", {}))
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.load_state_dict(checkpoint.get("memrl_dynamic_sampling", {}))
         self._checkpoint_step = int(checkpoint.get("global_step", 0))  # validate does not restore it
