@@ -208,3 +208,9 @@ def test_unscored_local_rewards_are_left_out_and_counted(tiny_model, tiny_tokeni
     assert not batch.advantages.isnan().any() and not batch.advantages.any()
     assert module.logged["train/local_rerollouts/nonfinite_rewards"] == 1.0 and callback.nonfinite_rewards == 1
     assert module.logged["train/local_rerollouts/local_reward_mean"] == 1.0
+
+
+def test_refuses_dynamic_sampling_at_setup() -> None:
+    module = SimpleNamespace(workflow=MemAgentWorkflow(), dynamic_sampling=object())
+    with pytest.raises(ConfigError, match="LocalRerollouts cannot run with model.init_args.dynamic_sampling"):
+        LocalRerollouts().setup(None, module, "fit")

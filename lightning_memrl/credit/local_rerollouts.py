@@ -100,7 +100,13 @@ class LocalRerollouts(MemRLCallback):
         self._local: list[tuple[list[int], list[float]]] = []  # this step's groups: (rows, local advantages)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        """Refuse a workflow that cannot re-roll a memory turn from its pre-write state."""
+        """Refuse a workflow that cannot re-roll a memory turn from its pre-write state, and dynamic sampling."""
+        if getattr(pl_module, "dynamic_sampling", None) is not None:
+            raise ConfigError(
+                "LocalRerollouts cannot run with model.init_args.dynamic_sampling: dynamic sampling drops and refills "
+                "groups after on_rewards, where this callback has already added its re-rolled rows and noted their "
+                "positions. Use one of the two."
+            )
         workflow = getattr(pl_module, "workflow", None)
         if workflow is None:
             return
