@@ -3,7 +3,7 @@
     python benchmarks/credit_cost.py --config configs/memagent/quickstart.yaml --steps 4 --threads 2
 
 Runs ``lightning-memrl fit`` once on ``--config`` alone and once per overlay in ``examples/credit/``
-(or those named with ``--only``), ``--steps`` steps each without validation, and reports the median
+(or those named with ``--only``, in that order), ``--steps`` steps each without validation, and reports the median
 of every ``time/*`` metric over the steps after the first (warm-up), plus the method's own
 ``train/<method>/teacher_seconds`` where it logs one. Writes
 ``benchmarks/results/credit_cost_<config>.json`` and prints a markdown table. Run it alone on the
@@ -45,7 +45,8 @@ def overlays(only: list[str] | None) -> list[Path]:
     missing = sorted(set(only) - {p.stem for p in found})
     if missing:
         raise SystemExit(f"--only: no examples/credit/<name>.yaml for {missing}")
-    return [p for p in found if p.stem in only]
+    by_stem = {p.stem: p for p in found}
+    return [by_stem[name] for name in only]  # in the order given
 
 
 def run_fit(config: Path, overlay: Path | None, args: argparse.Namespace) -> dict[str, float]:
@@ -71,8 +72,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = (REPO / args.config).resolve() if not Path(args.config).is_absolute() else Path(args.config)
     base = run_fit(config, None, args)
     runs = {"(none)": base}
+    result = {"config": args.config, "steps": args.steps, "machine": bu.machine(args.threads), "runs": runs}
     for overlay in overlays(args.only):
         runs[overlay.stem] = run_fit(config, overlay, args)
+        bu.write_result(f"credit_cost_{config.stem}", result)  # after every run: a stopped run keeps what it measured
         print(f"{overlay.stem}: step {runs[overlay.stem].get('time/step_s', float('nan')):.3f} s", flush=True)
     headers = ["method", "step s", "rollout s", "update s", "teacher s", "step vs none"]
     table = [
@@ -84,7 +87,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
         for name, m in runs.items()
     ]
-    result = {"config": args.config, "steps": args.steps, "machine": bu.machine(args.threads), "runs": runs}
     path = bu.write_result(f"credit_cost_{config.stem}", result)
     print(bu.markdown_table(headers, table))
     print(f"wrote {path}")

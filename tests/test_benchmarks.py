@@ -43,6 +43,6 @@ def test_credit_cost_times_every_credit_overlay_or_the_named_ones(bench):
     credit_cost = importlib.import_module("credit_cost")
     every = credit_cost.overlays(None)
     assert [p.stem for p in every] == sorted(p.stem for p in (BENCHMARKS.parent / "examples" / "credit").glob("*.yaml"))
-    assert [p.stem for p in credit_cost.overlays(["tips", "gspo"])] == ["gspo", "tips"]
+    assert [p.stem for p in credit_cost.overlays(["tips", "gspo"])] == ["tips", "gspo"]  # in the order given
     with pytest.raises(SystemExit, match=r"no examples/credit/<name>.yaml for \['nope'\]"):
         credit_cost.overlays(["tips", "nope"])
