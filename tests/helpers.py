@@ -6,7 +6,7 @@ import lightning as L
 import torch
 
 from lightning_memrl.rewards import RewardFunction
-from lightning_memrl.types import ANSWER_TURN, Generation, Task, Trajectory, Turn
+from lightning_memrl.types import ANSWER_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
 
 
 class AnswerLength(RewardFunction):
@@ -37,4 +37,24 @@ def quiet_trainer(tmp_path, steps: int = 2, callbacks=()) -> L.Trainer:
         limit_val_batches=0,
         default_root_dir=tmp_path,
         callbacks=list(callbacks),
+    )
+
+
+def turn_batch(
+    rewards: list[float], group_size: int, turns: list[int], turn_rewards: list[float] | None = None
+) -> RolloutBatch:
+    """A batch whose turn ``m`` belongs to trajectory ``turns[m]``; 3 token slots per turn, the last one padding."""
+    m = len(turns)
+    return RolloutBatch(
+        trajectories=[None] * len(rewards),  # type: ignore[list-item]
+        group_size=group_size,
+        prompt_ids=[[1]] * m,
+        response_ids=torch.zeros(m, 3, dtype=torch.long),
+        response_mask=torch.tensor([[1, 1, 0]] * m),
+        rollout_logprobs=torch.zeros(m, 3),
+        turn_to_trajectory=torch.tensor(turns),
+        memory_turns=torch.zeros(m, dtype=torch.bool),
+        truncated=torch.zeros(m, dtype=torch.bool),
+        rewards=torch.tensor(rewards),
+        turn_rewards=torch.tensor(turn_rewards if turn_rewards is not None else [0.0] * m),
     )

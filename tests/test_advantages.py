@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import turn_batch
 
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.errors import ConfigError
@@ -130,26 +131,9 @@ def test_group_relative_accepts_integer_rewards() -> None:
 
 
 # --------------------------------------------------------------------------- the estimator contract
-def _batch(rewards: list[float], group_size: int, turns: list[int]) -> RolloutBatch:
-    """A batch whose turn ``m`` belongs to trajectory ``turns[m]``; each turn has 3 slots, the last one padding."""
-    num_turns = len(turns)
-    return RolloutBatch(
-        trajectories=[None] * len(rewards),  # type: ignore[list-item]
-        group_size=group_size,
-        prompt_ids=[[1]] * num_turns,
-        response_ids=torch.zeros(num_turns, 3, dtype=torch.long),
-        response_mask=torch.tensor([[1, 1, 0]] * num_turns),
-        rollout_logprobs=torch.zeros(num_turns, 3),
-        turn_to_trajectory=torch.tensor(turns),
-        memory_turns=torch.zeros(num_turns, dtype=torch.bool),
-        truncated=torch.zeros(num_turns, dtype=torch.bool),
-        rewards=torch.tensor(rewards),
-    )
-
-
 def test_assign_advantages_broadcasts_to_the_tokens_of_each_trajectorys_turns() -> None:
     # rewards [0, 1 | 5, 5], G = 2, scale none: advantages [-0.5, 0.5, 0, 0]; trajectory 1 has two turns
-    batch = _batch([0.0, 1.0, 5.0, 5.0], 2, turns=[0, 1, 1, 3])
+    batch = turn_batch([0.0, 1.0, 5.0, 5.0], 2, turns=[0, 1, 1, 3])
     assign_advantages(batch, GroupRelative("none"))
     close(batch.trajectory_advantages, [-0.5, 0.5, 0.0, 0.0])
     close(batch.advantages, [[-0.5, -0.5, 0.0], [0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
@@ -163,14 +147,14 @@ class _PerTurn(AdvantageEstimator):
 
 
 def test_an_estimator_with_the_wrong_shape_is_named() -> None:
-    batch = _batch([0.0, 1.0], 2, turns=[0, 0, 1])
+    batch = turn_batch([0.0, 1.0], 2, turns=[0, 0, 1])
     with pytest.raises(ValueError, match=re.escape("advantage estimator _PerTurn returned (3,); expected one")):
         assign_advantages(batch, _PerTurn())
 
 
 def test_the_base_estimator_says_what_to_implement() -> None:
     with pytest.raises(NotImplementedError, match=re.escape("must implement from_rewards(rewards, group_size)")):
-        AdvantageEstimator()(_batch([0.0, 1.0], 2, turns=[0, 1]))
+        AdvantageEstimator()(turn_batch([0.0, 1.0], 2, turns=[0, 1]))
 
 
 # --------------------------------------------------------------------------- the RLOO example

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from helpers import turn_batch
 
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.credit.turn_level import TurnLevelAdvantage, turn_level_rewards, turn_positions
@@ -20,29 +21,11 @@ def close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-6)
 
 
-def batch(rewards: list[float], group_size: int, turns: list[int], turn_rewards: list[float]) -> RolloutBatch:
-    """Turn ``m`` belongs to trajectory ``turns[m]``; each turn has 3 token slots, the last one padding."""
-    m = len(turns)
-    return RolloutBatch(
-        trajectories=[None] * len(rewards),  # type: ignore[list-item]
-        group_size=group_size,
-        prompt_ids=[[1]] * m,
-        response_ids=torch.zeros(m, 3, dtype=torch.long),
-        response_mask=torch.tensor([[1, 1, 0]] * m),
-        rollout_logprobs=torch.zeros(m, 3),
-        turn_to_trajectory=torch.tensor(turns),
-        memory_turns=torch.zeros(m, dtype=torch.bool),
-        truncated=torch.zeros(m, dtype=torch.bool),
-        rewards=torch.tensor(rewards),
-        turn_rewards=torch.tensor(turn_rewards),
-    )
-
-
 def three_members() -> RolloutBatch:
     # one group of 3: trajectories 0 and 1 have two turns, trajectory 2 one turn
     # turn rewards (rows): t0k0 0.1, t0k1 0, t1k0 -0.1, t1k1 0, t2k0 0.3
     # outcomes 1, 0, 0.5; the module's rewards hold outcome + turn sums: 1.1, -0.1, 0.8
-    return batch([1.1, -0.1, 0.8], 3, turns=[0, 0, 1, 1, 2], turn_rewards=[0.1, 0.0, -0.1, 0.0, 0.3])
+    return turn_batch([1.1, -0.1, 0.8], 3, turns=[0, 0, 1, 1, 2], turn_rewards=[0.1, 0.0, -0.1, 0.0, 0.3])
 
 
 def test_turn_rewards_add_the_outcome_on_the_last_turn_once() -> None:
@@ -66,7 +49,7 @@ def test_groups_are_separate_and_nan_or_alone_gets_zero() -> None:
     # G = 2; group 0: trajectories 0 (turns k0, k1) and 1 (turn k0 only): k1 of 0 is alone -> 0
     #   r: t0 = [0, 0 + 2], t1 = [0 + 1]; k0 {0, 1} -> [-0.5, 0.5] (none)
     # group 1: trajectory 3's reward is NaN -> its turn 0, and trajectory 2's turn (alone) -> 0
-    rollouts = batch([2.0, 1.0, 5.0, NAN], 2, turns=[0, 0, 1, 2, 3], turn_rewards=[0.0, 0.0, 0.0, 0.0, 0.0])
+    rollouts = turn_batch([2.0, 1.0, 5.0, NAN], 2, turns=[0, 0, 1, 2, 3], turn_rewards=[0.0, 0.0, 0.0, 0.0, 0.0])
     estimator = TurnLevelAdvantage("none")
     close(estimator(rollouts), [-0.5, 0.0, 0.5, 0.0, 0.0])
     # cells: g0k0 (2 turns), g0k1 (1), g1k0 (1 valid + NaN): 3 of 5 turns unpaired; indices 0, 1
