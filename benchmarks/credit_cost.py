@@ -5,7 +5,10 @@
 Runs ``lightning-memrl fit`` once on ``--config`` alone and once per overlay in ``examples/credit/``
 (or those named with ``--only``, in that order), ``--steps`` steps each without validation, and reports the median
 of every ``time/*`` metric over the steps after the first (warm-up), plus the method's own
-``train/<method>/teacher_seconds`` where it logs one. Writes
+``train/<method>/teacher_seconds`` where it logs one. With ``--steps 1`` it reports the first step
+alone: every run starts from the same weights and seed, so that step rolls out the same tokens with
+and without a method (``train/response_length`` and ``train/reward`` are recorded to show it) and
+the difference is the method's own cost, not sampling noise. Writes
 ``benchmarks/results/credit_cost_<config>.json`` and prints a markdown table. Run it alone on the
 machine: other jobs change the timings.
 """
@@ -25,7 +28,9 @@ from typing import Any
 import bench_utils as bu
 
 REPO = Path(__file__).resolve().parents[1]
-KEYS = ["time/step_s", "time/rollout_s", "time/update_s"]
+KEYS = ["time/step_s", "time/rollout_s", "time/reference_s", "time/update_s"]
+# Recorded beside the timings: equal values across methods show the step rolled out the same tokens.
+SAME_ROLLOUT_KEYS = ["train/response_length", "train/memory_length", "train/reward"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +68,7 @@ def run_fit(config: Path, overlay: Path | None, args: argparse.Namespace) -> dic
             return {"failed_exit_code": float(proc.returncode)}
         rows = [r for r in csv.DictReader(open(next(Path(tmp).glob("**/metrics.csv")))) if r.get("time/step_s")]
     rows = rows[1:] or rows
-    keys = KEYS + sorted({k for r in rows for k in r if k.endswith("/teacher_seconds")})
+    keys = KEYS + SAME_ROLLOUT_KEYS + sorted({k for r in rows for k in r if k.endswith("/teacher_seconds")})
     return {k: bu.median([float(r[k]) for r in rows if r.get(k)]) for k in keys}
 
 
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs[overlay.stem] = run_fit(config, overlay, args)
         bu.write_result(f"credit_cost_{config.stem}", result)  # after every run: a stopped run keeps what it measured
         print(f"{overlay.stem}: step {runs[overlay.stem].get('time/step_s', float('nan')):.3f} s", flush=True)
-    headers = ["method", "step s", "rollout s", "update s", "teacher s", "step vs none"]
+    headers = ["method", "step s", "rollout s", "reference s", "update s", "teacher s", "step vs none"]
     table = [
         [
             name,
