@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -39,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is warm-up)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
     parser.add_argument("--only", nargs="*", default=None, help="overlay names (file stems) to run; default all")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the runs already in the results file and add these (its base run is kept beside this one's)",
+    )
     return parser.parse_args(argv)
 
 
@@ -72,28 +78,50 @@ def run_fit(config: Path, overlay: Path | None, args: argparse.Namespace) -> dic
     return {k: bu.median([float(r[k]) for r in rows if r.get(k)]) for k in keys}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    config = (REPO / args.config).resolve() if not Path(args.config).is_absolute() else Path(args.config)
-    base = run_fit(config, None, args)
-    runs = {"(none)": base}
-    result = {"config": args.config, "steps": args.steps, "machine": bu.machine(args.threads), "runs": runs}
-    for overlay in overlays(args.only):
-        runs[overlay.stem] = run_fit(config, overlay, args)
-        bu.write_result(f"credit_cost_{config.stem}", result)  # after every run: a stopped run keeps what it measured
-        print(f"{overlay.stem}: step {runs[overlay.stem].get('time/step_s', float('nan')):.3f} s", flush=True)
-    headers = ["method", "step s", "rollout s", "reference s", "update s", "teacher s", "step vs none"]
-    table = [
+def earlier_result(path: Path, fresh: dict[str, Any]) -> dict[str, Any]:
+    """The results in ``path`` extended by a new, empty session (each session keeps its machine and base run)."""
+    old = json.loads(path.read_text())
+    if old["config"] != fresh["config"] or old["steps"] != fresh["steps"]:
+        raise SystemExit(f"--append: {path} holds --config {old['config']} --steps {old['steps']}; run the same")
+    sessions = old.get("sessions") or [{"machine": old["machine"], "base": "(none)", "runs": list(old["runs"])[1:]}]
+    base_name = f"(none) session {len(sessions) + 1}"
+    return {**old, "sessions": [*sessions, {"machine": fresh["machine"], "base": base_name, "runs": []}]}
+
+
+def cost_table(result: dict[str, Any]) -> list[list[Any]]:
+    """One row per run; "step vs none" divides by the base run of the same session."""
+    runs = result["runs"]
+    base_of = {name: session["base"] for session in result["sessions"] for name in [session["base"], *session["runs"]]}
+    return [
         [
             name,
             *(m.get(k, float("nan")) for k in KEYS),
             sum(v for k, v in m.items() if k.endswith("teacher_seconds")),
-            bu.ratio(m.get("time/step_s", float("nan")), base.get("time/step_s", float("nan"))),
+            bu.ratio(m.get("time/step_s", float("nan")), runs[base_of[name]].get("time/step_s", float("nan"))),
         ]
         for name, m in runs.items()
     ]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    config = (REPO / args.config).resolve() if not Path(args.config).is_absolute() else Path(args.config)
+    machine = bu.machine(args.threads)
+    result = {"config": args.config, "steps": args.steps, "machine": machine, "runs": {}}
+    result["sessions"] = [{"machine": machine, "base": "(none)", "runs": []}]
+    previous = bu.RESULTS / f"credit_cost_{config.stem}.json"
+    if args.append and previous.exists():
+        result = earlier_result(previous, result)
+    session = result["sessions"][-1]
+    result["runs"][session["base"]] = run_fit(config, None, args)
+    for overlay in overlays(args.only):
+        result["runs"][overlay.stem] = run_fit(config, overlay, args)
+        session["runs"].append(overlay.stem)
+        bu.write_result(f"credit_cost_{config.stem}", result)  # after every run: a stopped run keeps what it measured
+        print(f"{overlay.stem}: step {result['runs'][overlay.stem].get('time/step_s', float('nan')):.3f} s", flush=True)
+    headers = ["method", "step s", "rollout s", "reference s", "update s", "teacher s", "step vs its session's none"]
     path = bu.write_result(f"credit_cost_{config.stem}", result)
-    print(bu.markdown_table(headers, table))
+    print(bu.markdown_table(headers, cost_table(result)))
     print(f"wrote {path}")
     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 from pathlib import Path
 
@@ -46,3 +47,21 @@ def test_credit_cost_times_every_credit_overlay_or_the_named_ones(bench):
     assert [p.stem for p in credit_cost.overlays(["tips", "gspo"])] == ["tips", "gspo"]  # in the order given
     with pytest.raises(SystemExit, match=r"no examples/credit/<name>.yaml for \['nope'\]"):
         credit_cost.overlays(["tips", "nope"])
+
+
+def test_credit_cost_append_keeps_earlier_runs_and_divides_by_each_sessions_base(bench, tmp_path):
+    credit_cost = importlib.import_module("credit_cost")
+    earlier = {"config": "q.yaml", "steps": 1, "machine": {"cpu": "a"}, "runs": {"(none)": {"time/step_s": 100.0}}}
+    earlier["runs"]["gspo"] = {"time/step_s": 90.0}
+    path = tmp_path / "credit_cost_q.json"
+    path.write_text(json.dumps(earlier))
+    result = credit_cost.earlier_result(path, {"config": "q.yaml", "steps": 1, "machine": {"cpu": "b"}})
+    assert [s["base"] for s in result["sessions"]] == ["(none)", "(none) session 2"]
+    assert result["sessions"][0] == {"machine": {"cpu": "a"}, "base": "(none)", "runs": ["gspo"]}
+    result["runs"]["(none) session 2"] = {"time/step_s": 50.0}
+    result["runs"]["tips"] = {"time/step_s": 60.0}
+    result["sessions"][-1]["runs"].append("tips")
+    ratios = {row[0]: row[-1] for row in credit_cost.cost_table(result)}
+    assert ratios == {"(none)": 1.0, "gspo": 0.9, "(none) session 2": 1.0, "tips": 1.2}  # 90/100 and 60/50
+    with pytest.raises(SystemExit, match="--append: .* holds --config q.yaml --steps 1; run the same"):
+        credit_cost.earlier_result(path, {"config": "q.yaml", "steps": 2, "machine": {}})
