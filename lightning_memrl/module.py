@@ -301,6 +301,7 @@ class MemRLModule(L.LightningModule):
         with torch.no_grad():
             rollouts = self.rollout(list(batch), settings)
         self.score(rollouts)
+        self.workflow.prepare_evaluation(rollouts.trajectories)
         for trajectory in rollouts.trajectories:
             em, f1 = self._evaluation.add(trajectory, self.answer_pattern, self.workflow)
             self.val_exact_match.update(em)

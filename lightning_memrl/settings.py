@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -10,6 +10,8 @@ from typing import Any, Literal
 import torch
 
 from lightning_memrl.errors import ConfigError, check_option
+
+log = logging.getLogger(__name__)
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "rollout_mean"]
 KLEstimator = Literal["k1", "k3", "low_var_kl"]
@@ -108,7 +110,12 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 @dataclass
 class OptimizerSettings:
-    """AdamW with linear warm-up then constant or cosine decay.
+    """AdamW with linear warm-up then constant or cosine decay (transformers' schedules).
+
+    The learning rate of optimizer step ``s`` (from 0) is ``lr * s / warmup_steps`` during warm-up (the
+    first step at 0, as in transformers and TRL), then ``lr`` (``constant``) or
+    ``lr * (0.1 + 0.9 * (1 + cos(pi * (s - warmup_steps) / (max_steps - warmup_steps))) / 2)`` (``cosine``,
+    transformers' ``cosine_with_min_lr`` with ``min_lr_rate=0.1``).
 
     Args:
         lr: peak learning rate (LoRA wants ~10x a full fine-tune's).
@@ -169,16 +176,16 @@ def build_optimizer(
     )
     if o.schedule not in ("constant", "cosine"):
         raise ValueError(f"model.optimizer.schedule must be 'constant' or 'cosine', got {o.schedule!r}")
+    from transformers.optimization import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
-    def factor(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "cosine" and total:
-            progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-        return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    if o.schedule == "cosine" and total:  # transformers' schedules, as TRL's trainers use them
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, o.warmup_steps, total, min_lr_rate=0.1)
+    else:
+        if o.schedule == "cosine":
+            log.warning(
+                "model.optimizer.schedule 'cosine' needs --trainer.max_steps; the LR stays constant after warm-up"
+            )
+        scheduler = get_constant_schedule_with_warmup(optimizer, o.warmup_steps)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -17,14 +17,45 @@ from lightning_memrl.evaluation.report import evaluation_report, format_report
 
 
 def test_bleu1_by_hand():
+    """LoCoMo's B1: lower-cased nltk tokens (punctuation and articles are tokens), clipped precision x brevity."""
     assert bleu1("Lisbon", ["Lisbon"]) == 1.0
-    # "he moved to lisbon portugal" (5 words, 1 match) vs reference "lisbon" (1 word): P = 1/5, BP = 1
-    assert bleu1("He moved to Lisbon, Portugal", ["Lisbon"]) == pytest.approx(1 / 5)
-    # prediction "may" (1 word) vs "7 may 2023" (3 words): P = 1, BP = exp(1 - 3/1)
+    # he / moved / to / lisbon / , / portugal (6 tokens, 1 match) vs "lisbon": P = 1/6, BP = 1
+    assert bleu1("He moved to Lisbon, Portugal", ["Lisbon"]) == pytest.approx(1 / 6)
+    # prediction "may" (1 token) vs "7 may 2023" (3 tokens): P = 1, BP = exp(1 - 3/1)
     assert bleu1("May", ["7 May 2023"]) == pytest.approx(math.exp(-2))
-    assert bleu1("the cat cat", ["cat"]) == pytest.approx(1 / 2)  # "the" dropped; "cat" clipped to one match
+    assert bleu1("the cat cat", ["cat"]) == pytest.approx(1 / 3)  # "the" counts; "cat" clipped to one match
+    assert bleu1("7 May, 2023", ["7 May 2023"]) == pytest.approx(3 / 4)  # the comma is a token: 3 of 4, BP = 1
+    # two sentences: she / moved / to / lisbon / . / she / loves / it / . -> 1 match of 9
+    assert bleu1("She moved to Lisbon. She loves it.", ["Lisbon"]) == pytest.approx(1 / 9)
     assert bleu1("", ["x"]) == 0.0
+    assert bleu1("x", ["", "  "]) == 0.0  # no gold answer has a token
     assert bleu1("Rosa", ["Maria", "Rosa"]) == 1.0  # best gold answer
+
+
+@pytest.mark.parametrize(
+    ("prediction", "answer"),
+    [
+        ("He moved to Lisbon, Portugal", "Lisbon"),
+        ("on 7 May 2023", "7 May 2023"),
+        ("Caroline's mom can't come", "Caroline's mother"),
+        ("the week before 9 June 2023", "The week before 9 June 2023"),
+        ("pottery, painting and camping", "Pottery, camping, painting, swimming"),
+        ('"Nothing is impossible" (a book)', "'Nothing is Impossible'"),
+    ],
+)
+def test_bleu1_equals_nltk_sentence_bleu_as_locomo_papers_call_it(prediction, answer):
+    """The scorer of A-Mem/Mem0 (LoCoMo's B1): word_tokenize(lower) and sentence_bleu(weights (1,0,0,0), method1)."""
+    from nltk import word_tokenize
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+    def tokens(text):  # one sentence each: nltk's sentence splitter (a separate data download) is not needed
+        return word_tokenize(text.lower(), preserve_line=True)
+
+    expected = sentence_bleu(
+        [tokens(answer)], tokens(prediction), weights=(1, 0, 0, 0), smoothing_function=SmoothingFunction().method1
+    )
+    assert bleu1(prediction, [answer]) == pytest.approx(expected, abs=1e-12)
+    assert 0.0 < expected <= 1.0
 
 
 def test_evidence_recall():

@@ -1,30 +1,50 @@
-"""Answer metrics of the evaluation report: BLEU-1 and evidence recall (exact match and F1 live in rewards)."""
+"""Answer metrics of the evaluation report: BLEU-1 and evidence recall (exact match and F1 live in rewards).
+
+BLEU-1 is the one that LoCoMo memory papers report as B1 (A-Mem, Mem0, Memory-R1 share its scorer):
+nltk's ``sentence_bleu`` with weights ``(1, 0, 0, 0)`` and smoothing ``method1`` over nltk word tokens of
+the lower-cased texts, punctuation and articles kept. It is clipped unigram precision times the
+brevity penalty; the smoothing only keeps nltk from taking ``log(0)`` of the unused higher orders.
+"""
 
 from __future__ import annotations
 
-import math
-from collections import Counter
+from functools import cache
+from typing import Any
 
-from lightning_memrl.rewards import normalize_answer
+
+@cache
+def _nltk() -> tuple[Any, Any, Any, Any]:
+    """nltk's sentence splitter, word tokenizer, ``sentence_bleu`` and smoothing (imported on first use)."""
+    from nltk.tokenize import NLTKWordTokenizer, PunktSentenceTokenizer
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+
+    # Punkt with its default parameters: the trained English model is a separate nltk download
+    # (``punkt_tab``), which would make scores depend on what a machine has downloaded.
+    return PunktSentenceTokenizer(), NLTKWordTokenizer(), sentence_bleu, SmoothingFunction().method1
+
+
+def bleu_tokens(text: str) -> list[str]:
+    """Lower-cased nltk word tokens of ``text``: ``nltk.word_tokenize`` (Punkt sentences, then Treebank words)."""
+    sentences, tokenizer, _, _ = _nltk()
+    return [token for sentence in sentences.tokenize(str(text).lower()) for token in tokenizer.tokenize(sentence)]
 
 
 def bleu1(prediction: str, answers: list[str]) -> float:
-    """Best BLEU-1 over gold answers: clipped unigram precision × brevity penalty (SQuAD-normalised words).
+    """Best BLEU-1 of ``prediction`` over the gold ``answers`` (0.0 when it or every answer has no token).
 
-    ``BP = 1`` when the prediction is longer than the reference, else ``exp(1 - r / c)``.
+    ``BLEU-1 = min(1, exp(1 - r / c)) * clipped unigram matches / c`` for a prediction of ``c`` tokens and a
+    reference of ``r``, computed by ``nltk.translate.bleu_score.sentence_bleu`` (see the module docstring).
     """
-    pred = normalize_answer(prediction).split()
+    _, _, sentence_bleu, smoothing = _nltk()
+    pred = bleu_tokens(prediction)
     if not pred:
         return 0.0
-    best = 0.0
-    for answer in answers:
-        ref = normalize_answer(answer).split()
-        if not ref:
-            continue
-        overlap = sum((Counter(pred) & Counter(ref)).values())
-        brevity = 1.0 if len(pred) > len(ref) else math.exp(1 - len(ref) / len(pred))
-        best = max(best, brevity * overlap / len(pred))
-    return best
+    scores = [
+        float(sentence_bleu([ref], pred, weights=(1, 0, 0, 0), smoothing_function=smoothing))
+        for ref in map(bleu_tokens, answers)
+        if ref
+    ]
+    return max(scores, default=0.0)
 
 
 def evidence_recall(retrieved_source_ids: list[str] | set[str], evidence: list[str]) -> float | None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,39 +17,34 @@ class Embedder(Protocol):
     def embed(self, texts: list[str]) -> Tensor: ...
 
 
-_WORD = re.compile(r"[a-z0-9]+")
-
-
-def words(text: str) -> list[str]:
-    """Lower-cased alphanumeric words of ``text``."""
-    return _WORD.findall(text.lower())
-
-
 class HashingEmbedder:
     """Feature-hashed bag of words and word bigrams: deterministic, offline, no weights.
+
+    scikit-learn's ``HashingVectorizer`` (signed MurmurHash3 of each feature, rows L2-normalised) over
+    lower-cased alphanumeric words (``[a-z0-9]+``, one-letter words kept) and their bigrams; the hash
+    does not depend on ``PYTHONHASHSEED``, so every process gets the same vectors.
 
     Args:
         dim: vector size (hash buckets).
     """
+
+    TOKEN_PATTERN = r"[a-z0-9]+"
 
     def __init__(self, dim: int = 256) -> None:
         if dim < 1:
             raise ValueError(f"HashingEmbedder dim must be >= 1, got {dim}")
         self.dim = dim
 
-    def _bucket(self, feature: str) -> tuple[int, float]:
-        digest = hashlib.blake2b(feature.encode(), digest_size=8).digest()
-        value = int.from_bytes(digest, "little")
-        return value % self.dim, (1.0 if (value >> 63) & 1 else -1.0)
-
     def embed(self, texts: list[str]) -> Tensor:
-        out = torch.zeros(len(texts), self.dim)  # [n, dim]
-        for row, text in enumerate(texts):
-            tokens = words(text)
-            for feature in tokens + [f"{a} {b}" for a, b in zip(tokens, tokens[1:])]:
-                index, sign = self._bucket(feature)
-                out[row, index] += sign
-        return torch.nn.functional.normalize(out, dim=-1)
+        from sklearn.feature_extraction.text import HashingVectorizer  # imported on first use (slow to import)
+
+        if not texts:
+            return torch.zeros(0, self.dim)
+        vectorizer = HashingVectorizer(
+            n_features=self.dim, lowercase=True, token_pattern=self.TOKEN_PATTERN, ngram_range=(1, 2),
+            alternate_sign=True, norm="l2", dtype=np.float32,
+        )  # fmt: skip
+        return torch.from_numpy(vectorizer.transform(texts).toarray())  # [n, dim]
 
 
 class SentenceTransformerEmbedder:

@@ -301,9 +301,13 @@ class BankWorkflow(Workflow):
             )
         }
         if self.judge is not None:
-            answer = trajectory.info.get("answer", trajectory.final_text)
-            metrics["judge"] = self.judge(trajectory.task.question, trajectory.task.answers, answer)
+            metrics["judge"] = self.judge(*judge_item(trajectory))
         return metrics
+
+    def prepare_evaluation(self, trajectories: list[Trajectory]) -> None:
+        """Judge the batch's answers concurrently (``judge.max_workers`` at a time) when a judge is set."""
+        if self.judge is not None:
+            self.judge.prefetch([judge_item(t) for t in trajectories])
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -318,6 +322,11 @@ class BankWorkflow(Workflow):
             bank.load_state_dict(bank_state)
             self._bank_cache[cid] = bank
         self.counters = Counter(state.get("counters", {}))
+
+
+def judge_item(trajectory: Trajectory) -> tuple[str, list[str], str]:
+    """What the judge sees of a trajectory: its question, gold answers and answer."""
+    return trajectory.task.question, trajectory.task.answers, trajectory.info.get("answer", trajectory.final_text)
 
 
 def answer_part(text: str) -> str:

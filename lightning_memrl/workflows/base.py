@@ -151,5 +151,8 @@ class Workflow:
         """Extra per-task numbers for the evaluation report (e.g. evidence recall)."""
         return {}
 
+    def prepare_evaluation(self, trajectories: list[Trajectory]) -> None:
+        """Called with an evaluation batch before :meth:`evaluation_metrics` of each (e.g. to judge them at once)."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
