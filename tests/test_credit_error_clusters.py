@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from teacher_fakes import FakeModule
 
-from lightning_memrl.credit import error_clusters
 from lightning_memrl.credit.error_clusters import (
     ErrorClusterPenalty,
     cluster_penalty,
@@ -180,9 +179,6 @@ def test_options_are_checked(monkeypatch):
         ErrorClusterPenalty(group_by="prompt")
     with pytest.raises(ValueError, match="ErrorClusterPenalty.answer_pattern"):
         ErrorClusterPenalty(answer_pattern="[")
-    monkeypatch.setattr(error_clusters, "HDBSCAN", None)
-    with pytest.raises(ConfigError, match=r"install lightning-memrl\[cluster\]"):
-        ErrorClusterPenalty()
 
 
 def test_pooled_hidden_states_match_a_direct_forward(tiny_model, tiny_tokenizer):

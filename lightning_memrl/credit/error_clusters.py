@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from sklearn.cluster import HDBSCAN
 from torch import Tensor
 
 from lightning_memrl.callbacks.base import MemRLCallback
@@ -25,11 +26,6 @@ from lightning_memrl.logprobs import split_head
 from lightning_memrl.rewards import ExactMatch, check_answer_pattern
 from lightning_memrl.rollout.prefix import left_pad, position_ids
 from lightning_memrl.types import RolloutBatch, Trajectory
-
-try:  # the optional extra: pip install 'lightning-memrl[cluster]'
-    from sklearn.cluster import HDBSCAN
-except ImportError:  # refused when ErrorClusterPenalty is constructed
-    HDBSCAN = None
 
 GROUP_BY_CHOICES = ("task", "all")
 
@@ -137,8 +133,7 @@ class ErrorClusterPenalty(MemRLCallback):
         answer_pattern: regular expression that picks the answer out for the exact match.
 
     State (checkpointed): the buffer's task keys, vectors and labels. Each rank keeps its own buffer.
-    Serves every workflow (it reads each trajectory's last turn); needs scikit-learn >= 1.3
-    (``pip install 'lightning-memrl[cluster]'``), refused at construction without it.
+    Serves every workflow (it reads each trajectory's last turn); HDBSCAN is scikit-learn's (a dependency).
 
     Logs ``train/error_clusters/penalty`` (mean penalty per trajectory), ``.../clusters`` (clusters in the
     buffer, over all groups), ``.../buffer`` (failures remembered), ``.../failures`` (this step's) and
@@ -156,11 +151,6 @@ class ErrorClusterPenalty(MemRLCallback):
         success_threshold: float = 1.0,
         answer_pattern: str | None = None,
     ) -> None:
-        if HDBSCAN is None:
-            raise ConfigError(
-                "ErrorClusterPenalty clusters failures with scikit-learn's HDBSCAN (scikit-learn >= 1.3), which is "
-                "not installed: install lightning-memrl[cluster] (pip install 'lightning-memrl[cluster]')"
-            )
         p = "ErrorClusterPenalty."
         check_option(p + "alpha", alpha, 0.0)
         check_option(p + "max_penalty", max_penalty, 0.0)
