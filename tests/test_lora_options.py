@@ -100,11 +100,16 @@ def test_a_saved_adapter_is_loaded_trainable_with_its_own_shape(tiny_tokenizer, 
     saved = load_policy("tiny", tiny_tokenizer, lora=LoraSettings(r=4, lora_alpha=8, init_lora_weights=False))
     saved.save_pretrained(tmp_path / "adapter")
     expected = {n: p.detach().clone() for n, p in saved.named_parameters() if "lora_" in n}
-    loaded = load_policy("tiny", tiny_tokenizer, lora=LoraSettings(adapter_name_or_path=str(tmp_path / "adapter")))
+    loaded_settings = LoraSettings(adapter_name_or_path=str(tmp_path / "adapter"))
+    loaded = load_policy("tiny", tiny_tokenizer, lora=loaded_settings)
     got = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     assert got.keys() == expected.keys() and len(got) == 28  # 7 linear layers x 2 layers x (A, B)
     for name, weight in got.items():
         assert torch.equal(weight, expected[name]) and weight.requires_grad, name
     assert {m.r["default"] for m in _lora_layers(loaded).values()} == {4}  # the adapter's r, not the default 16
+    # the other ranks of a sharded run build the same adapter on meta; rank 0's weights fill it
+    empty = load_policy("tiny", tiny_tokenizer, lora=loaded_settings, empty_weights=True)
+    assert {n: p.shape for n, p in empty.named_parameters()} == {n: p.shape for n, p in loaded.named_parameters()}
+    assert all(p.is_meta for p in empty.parameters())
     with pytest.raises(FileNotFoundError, match="lora.adapter_name_or_path=.*no peft adapter found"):
         load_policy("tiny", tiny_tokenizer, lora=LoraSettings(adapter_name_or_path=str(tmp_path)))
