@@ -78,7 +78,7 @@ class StepTimer(L.Callback):
 
 def build_module(args: argparse.Namespace, workflow: Workflow) -> MemRLModule:
     """The module with TRL's settings: k3 KL, clip 0.2, token-mean loss, one PPO epoch, exact lengths."""
-    lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r) if args.lora_r else None
+    lora = LoraSettings(r=args.lora_r, lora_alpha=2 * args.lora_r) if args.lora_r else None
     module = MemRLModule(
         model_name_or_path=args.model_path,
         dtype=args.dtype,

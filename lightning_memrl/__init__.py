@@ -1,5 +1,6 @@
 """lightning_memrl: train memory-augmented LLM agents with reinforcement learning on Lightning."""
 
+from lightning_memrl.adapters import LoraSettings
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.data.files import load_tasks
@@ -9,7 +10,6 @@ from lightning_memrl.errors import ConfigError, DataError, MemRLError
 from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp
 from lightning_memrl.memory.sqlite import SQLiteMemoryBank
 from lightning_memrl.memory.text import TextMemoryStore
-from lightning_memrl.models import LoraSettings
 from lightning_memrl.module import MemRLModule
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.hf import RolloutEngine

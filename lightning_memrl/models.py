@@ -8,79 +8,19 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lightning_memrl.adapters import LoraSettings, add_lora
 from lightning_memrl.data.synthetic import synthetic_corpus
-from lightning_memrl.model_paths import TINY, missing_model_message, resolve_model_path
+from lightning_memrl.model_paths import TINY, hub_options, loading_errors
+from lightning_memrl.quantization import DTYPES, QuantizationSettings, check_quantization, prepare_quantized
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# weight dtypes by the name options give them (model dtype, bnb compute dtype, FSDP mixed precision)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoraSettings:
-    """LoRA adapters (peft). With LoRA the reference model is the base with adapters disabled.
-
-    Args:
-        r: adapter rank.
-        alpha: scaling numerator (``alpha / r`` multiplies the adapter output).
-        dropout: dropout on the adapter input.
-        target_modules: module names to adapt; ``all-linear`` adapts every linear layer.
-    """
-
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
-
-
-@dataclass
-class QuantizationSettings:
-    """Load the base weights quantised by bitsandbytes (QLoRA); needs ``lora`` (4-bit weights are frozen).
-
-    The names follow transformers' ``BitsAndBytesConfig``.
-
-    Args:
-        load_in_4bit: 4-bit base weights.
-        bnb_4bit_quant_type: ``nf4`` (QLoRA) or ``fp4``.
-        bnb_4bit_compute_dtype: dtype of the de-quantised matrix products: ``bfloat16``, ``float16`` or ``float32``.
-        bnb_4bit_use_double_quant: also quantise the quantisation constants (saves ~0.4 bit per weight).
-    """
-
-    load_in_4bit: bool = True
-    bnb_4bit_quant_type: str = "nf4"
-    bnb_4bit_compute_dtype: str = "bfloat16"
-    bnb_4bit_use_double_quant: bool = True
-
-    def to_bnb_config(self) -> Any:
-        """The matching ``transformers.BitsAndBytesConfig``."""
-        from transformers import BitsAndBytesConfig
-
-        if not self.load_in_4bit:
-            raise ValueError("model.init_args.quantization.load_in_4bit must be true (4-bit QLoRA is supported)")
-        if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
-            raise ValueError(
-                f"model.init_args.quantization.bnb_4bit_quant_type must be 'nf4' or 'fp4', "
-                f"got {self.bnb_4bit_quant_type!r}"
-            )
-        if self.bnb_4bit_compute_dtype not in DTYPES:
-            raise ValueError(
-                f"model.init_args.quantization.bnb_4bit_compute_dtype must be one of {sorted(DTYPES)}, "
-                f"got {self.bnb_4bit_compute_dtype!r}"
-            )
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=self.bnb_4bit_quant_type,
-            bnb_4bit_compute_dtype=DTYPES[self.bnb_4bit_compute_dtype],
-            bnb_4bit_use_double_quant=self.bnb_4bit_use_double_quant,
-        )
 
 
 def fast_bf16(device: torch.device | str | None = None) -> bool:
@@ -177,58 +117,21 @@ def build_tiny_model(tokenizer: Any, seed: int = 0, dtype: torch.dtype = torch.f
     return model.to(dtype)
 
 
-def load_tokenizer(name_or_path: str) -> Any:
-    """Tokenizer of ``name_or_path`` with a pad token (EOS when it has none)."""
+def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """Tokenizer of ``name_or_path`` (at ``revision``) with a pad token (EOS when it has none).
+
+    ``revision`` and ``trust_remote_code`` go to ``from_pretrained`` (see :func:`hub_options`).
+    """
+    path, hub = hub_options(name_or_path, revision, trust_remote_code)
     if name_or_path == TINY:
         return build_tiny_tokenizer()
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
-    except OSError as err:
-        raise FileNotFoundError(missing_model_message(name_or_path, err)) from err
+    with loading_errors(name_or_path):
+        tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def keep_4bit_layout(model: Any) -> int:
-    """Keep every bitsandbytes 4-bit weight of ``model`` in the layout it was quantised in.
-
-    On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit weight into a CPU-kernel
-    layout the first time its layer runs in eval mode without gradients (a rollout). That layout
-    is for inference only: its kernel has no autograd formula (the gradient through the frozen
-    base, which the adapters below it need, is dropped), it computes in bf16 whatever
-    ``bnb_4bit_compute_dtype`` says (the rollout's log-probs then come from another model than
-    the update's), and its inverse is lossy (the quantisation constants are rounded to bf16).
-    A policy that trains therefore keeps the portable layout on every CPU: rollouts and updates
-    run the same de-quantise-then-matmul kernel, and the 4-bit base stays bit for bit.
-
-    Returns:
-        the number of 4-bit layers.
-    """
-    from bitsandbytes.nn import Linear4bit
-
-    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    for layer in layers:
-        layer.support_avx512bf16_for_cpu = False  # read by Linear4bit.forward before it repacks
-    return len(layers)
-
-
-def _check_quantization(
-    name_or_path: str, lora: LoraSettings | None, quantization: QuantizationSettings | None, empty_weights: bool
-) -> None:
-    """Refuse 4-bit base weights without adapters to train, or without a saved model to quantise."""
-    if quantization is not None and lora is None:
-        raise ValueError(
-            "model.init_args.quantization needs model.init_args.lora: 4-bit base weights cannot be trained; "
-            "add e.g. lora: {r: 16, alpha: 32}"
-        )
-    if quantization is not None and (name_or_path == TINY or empty_weights):
-        raise ValueError(
-            "model.init_args.quantization needs a saved model (a hub id or a local directory), "
-            f"not {name_or_path!r}" + (" under sharding" if empty_weights else "")
-        )
 
 
 def _load_pretrained(
@@ -237,8 +140,12 @@ def _load_pretrained(
     attn: str,
     quantization: QuantizationSettings | None,
     empty_weights: bool,
+    hub: dict[str, Any],
 ) -> Any:
-    """A saved model (hub id or local directory), quantised while loading, or its architecture on meta."""
+    """A saved model (hub id or local directory), quantised while loading, or its architecture on meta.
+
+    ``hub``: ``revision`` and ``trust_remote_code`` for ``from_pretrained``, ``name_or_path`` already resolved.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra: dict[str, Any] = {}
@@ -246,28 +153,16 @@ def _load_pretrained(
         extra["quantization_config"] = quantization.to_bnb_config()
         if torch.cuda.is_available():  # quantise while loading onto this process's GPU
             extra["device_map"] = {"": torch.cuda.current_device()}
-    try:
+    with loading_errors(name_or_path):
         if empty_weights:
-            config = AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+            config = AutoConfig.from_pretrained(name_or_path, **hub)
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+                return AutoModelForCausalLM.from_config(
+                    config, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=hub["trust_remote_code"]
+                )
         return AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(name_or_path), dtype=torch_dtype, attn_implementation=attn, **extra
+            name_or_path, dtype=torch_dtype, attn_implementation=attn, **hub, **extra
         )
-    except OSError as err:
-        raise FileNotFoundError(missing_model_message(name_or_path, err)) from err
-
-
-def _prepare_4bit(model: Any, gradient_checkpointing: bool) -> Any:
-    """QLoRA: the 4-bit layout kept, unquantised weights in fp32, input grads on, non-reentrant checkpointing."""
-    from peft import prepare_model_for_kbit_training
-
-    keep_4bit_layout(model)
-    return prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
 
 
 def _enable_gradient_checkpointing(model: Any, adapters: bool) -> None:
@@ -276,21 +171,6 @@ def _enable_gradient_checkpointing(model: Any, adapters: bool) -> None:
     model.config.use_cache = False  # generation turns it back on per call
     if adapters:
         model.enable_input_require_grads()
-
-
-def _add_lora(model: Any, lora: LoraSettings, empty_weights: bool) -> Any:
-    """``model`` wrapped by peft with LoRA adapters (built on meta when the weights are empty)."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    with torch.device("meta") if empty_weights else nullcontext():
-        return get_peft_model(model, config)
 
 
 def load_policy(
@@ -303,8 +183,10 @@ def load_policy(
     seed: int = 0,
     quantization: QuantizationSettings | None = None,
     empty_weights: bool = False,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Any:
-    """Load the policy, optionally with LoRA adapters, 4-bit base weights and gradient checkpointing.
+    """Load the policy, optionally with LoRA adapters, quantised base weights and gradient checkpointing.
 
     Args:
         name_or_path: hub id, local path, or ``tiny``.
@@ -314,11 +196,14 @@ def load_policy(
         lora: adapter settings, or None to train all weights.
         gradient_checkpointing: recompute activations in backward (non-reentrant).
         seed: weight seed of ``tiny``.
-        quantization: 4-bit base weights (QLoRA); needs ``lora``.
+        quantization: 4-bit or 8-bit base weights (QLoRA); needs ``lora``.
         empty_weights: build the architecture on the meta device without reading weights (the
             sharded loader fills it from rank 0).
+        revision: the hub model's branch, tag or commit (``from_pretrained``'s ``revision``).
+        trust_remote_code: let ``from_pretrained`` run the model repository's own code.
     """
-    _check_quantization(name_or_path, lora, quantization, empty_weights)
+    path, hub = hub_options(name_or_path, revision, trust_remote_code)
+    check_quantization(name_or_path, lora, quantization, empty_weights)
     torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
     attn = resolve_attn_implementation(attn_implementation)
     if name_or_path == TINY:
@@ -326,11 +211,11 @@ def load_policy(
             model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
         model.config._attn_implementation = attn
     else:
-        model = _load_pretrained(name_or_path, torch_dtype, attn, quantization, empty_weights)
+        model = _load_pretrained(path, torch_dtype, attn, quantization, empty_weights, hub)
     if quantization is not None:
-        model = _prepare_4bit(model, gradient_checkpointing)
+        model = prepare_quantized(model, gradient_checkpointing)
     if gradient_checkpointing:
         _enable_gradient_checkpointing(model, adapters=lora is not None)
     if lora is not None:
-        model = _add_lora(model, lora, empty_weights)
+        model = add_lora(model, lora, empty_weights)
     return model

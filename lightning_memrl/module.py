@@ -23,6 +23,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from lightning_memrl import distributed, guards, learner
+from lightning_memrl.adapters import check_base_reference
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
 from lightning_memrl.credit.dynamic_sampling import DynamicSampling
@@ -54,7 +55,7 @@ class MemRLModule(L.LightningModule):
         attn_implementation: ``auto`` (flash_attention_2 on CUDA when installed, else sdpa),
             ``sdpa``, ``eager``, ...
         lora: LoRA adapter settings; None trains every weight.
-        quantization: 4-bit (NF4) base weights through bitsandbytes, trained with ``lora`` (QLoRA).
+        quantization: 4-bit (NF4) or 8-bit base weights through bitsandbytes, trained with ``lora`` (QLoRA).
         gradient_checkpointing: recompute activations in the backward pass.
         workflow: how tasks become trajectories (default: MemAgent).
         rewards: reward functions, summed with their weights (default: exact match).
@@ -76,6 +77,8 @@ class MemRLModule(L.LightningModule):
             None: :class:`~lightning_memrl.rollout.hf.RolloutEngine`, sampling from the live policy.
         dynamic_sampling: DAPO's dynamic sampling (groups of equal rewards dropped, refilled with further
             tasks' groups, :class:`~lightning_memrl.credit.dynamic_sampling.DynamicSampling`); None: off.
+        revision: branch, tag or commit of a hub model (``from_pretrained``'s, tokenizer too); None: its default.
+        trust_remote_code: let ``from_pretrained`` run code from the model's repository (custom architectures).
     """
 
     def __init__(
@@ -98,6 +101,8 @@ class MemRLModule(L.LightningModule):
         seed: int = 0,
         rollout: RolloutBackendFactory | None = None,
         dynamic_sampling: DynamicSampling | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -105,7 +110,7 @@ class MemRLModule(L.LightningModule):
         self.model_name_or_path, self.dtype_name = model_name_or_path, dtype
         self.attn_implementation, self.lora = attn_implementation, lora
         self.gradient_checkpointing, self.seed = gradient_checkpointing, seed
-        self.quantization = quantization
+        self.quantization, self.hub = quantization, {"revision": revision, "trust_remote_code": trust_remote_code}
         self.workflow = workflow or MemAgentWorkflow()
         self.reward_functions = rewards or [ExactMatch()]
         self.advantage = advantage or GroupRelative()
@@ -152,9 +157,11 @@ class MemRLModule(L.LightningModule):
         if mesh is not None:
             distributed.allow_classes_of(dict(self.hparams))  # sharded checkpoints load with weights_only=True
 
-        self.tokenizer = load_tokenizer(self.model_name_or_path)
+        self.tokenizer = load_tokenizer(self.model_name_or_path, **self.hub)
         self.policy = self._load_model(mesh)
         needs_frozen = self.workflow.needs_frozen_model()
+        if self.lora is not None and (self.grpo.kl_coef > 0 or needs_frozen):
+            check_base_reference(self.policy, "grpo.kl_coef > 0" if self.grpo.kl_coef > 0 else "frozen agents")
         if (self.grpo.kl_coef > 0 or needs_frozen) and self.lora is None:
             reference = self._load_model(mesh, reference=True)
             reference.eval().requires_grad_(False)
@@ -183,6 +190,7 @@ class MemRLModule(L.LightningModule):
                 seed=self.seed,
                 quantization=None if reference else self.quantization,
                 empty_weights=empty_weights,
+                **self.hub,
             )
 
         if mesh is None:
@@ -296,10 +304,11 @@ class MemRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: list[Task], batch_idx: int) -> None:
-        """Greedy rollouts scored by exact match, token F1 and the training reward."""
-        settings = self.generation.greedy(self.val_max_new_tokens)
+        """Greedy rollouts (``generation.num_generations_eval`` > 1: that many sampled per task) scored by
+        exact match, token F1 and the training reward."""
+        settings, n = self.generation.for_validation(self.val_max_new_tokens), self.generation.num_generations_eval
         with torch.no_grad():
-            rollouts = self.rollout(list(batch), settings)
+            rollouts = self.rollout([task for task in batch for _ in range(n)], settings)
         self.score(rollouts)
         self.workflow.prepare_evaluation(rollouts.trajectories)
         for trajectory in rollouts.trajectories:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -40,7 +41,7 @@ class GRPOSettings:
         max_consecutive_skipped_steps: an optimizer step whose loss or gradient norm is NaN or
             infinite is skipped (gradients dropped, ``train/skipped_steps``); this many skipped in
             a row stop the run.
-        disable_dropout: set every dropout of the policy (LoRA's ``dropout`` included) to 0 when
+        disable_dropout: set every dropout of the policy (LoRA's ``lora_dropout`` included) to 0 when
             the model is configured, as TRL does: with dropout the policy's log-probs are noisy,
             so ratios to the old policy differ from 1 before any update and clip spuriously. The
             old and reference log-probs are computed in eval mode (no dropout) either way.
@@ -189,6 +190,56 @@ def build_optimizer(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+_G = "model.init_args.generation."
+RESERVED_GENERATE_KWARGS: dict[str, str] = {  # generate options set elsewhere -> where to set them
+    **{k: _G + k for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_strings")},
+    "max_new_tokens": _G + "max_new_tokens (validation: model.init_args.val_max_new_tokens)",
+    "max_length": _G + "max_new_tokens",
+    "do_sample": _G + "temperature (0 is greedy)",
+    "num_return_sequences": "model.init_args.grpo.group_size (validation: " + _G + "num_generations_eval)",
+    **dict.fromkeys(("num_beams", "num_beam_groups"), "nowhere: rollouts sample one response per prompt"),
+    **dict.fromkeys(
+        (
+            "eos_token_id",
+            "pad_token_id",
+            "tokenizer",
+            "return_dict_in_generate",
+            "output_logits",
+            "output_scores",
+            "use_cache",
+            "input_ids",
+            "attention_mask",
+            "inputs",
+            "cache",
+            "past_key_values",
+            "generation_config",
+        ),
+        "the rollout engine",
+    ),
+}
+SAMPLING_ONLY = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"})  # ignored by greedy decoding
+
+
+def check_generation_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` for a ``generation_kwargs`` key that another option sets, or that
+    ``model.generate`` does not know (neither a ``transformers.GenerationConfig`` field nor an
+    argument of ``generate``)."""
+    if not kwargs:
+        return
+    from transformers import GenerationConfig, GenerationMixin
+
+    known = set(GenerationConfig().to_dict()) | set(inspect.signature(GenerationMixin.generate).parameters)
+    for key in kwargs:
+        owner = RESERVED_GENERATE_KWARGS.get(key)
+        if owner is not None:
+            raise ConfigError(f"{_G}generation_kwargs.{key} is set by {owner}; remove it from generation_kwargs")
+        if key not in known - {"self", "kwargs"}:
+            raise ConfigError(
+                f"{_G}generation_kwargs.{key} is not an option of transformers' generate (GenerationConfig): "
+                "check its spelling"
+            )
+
+
 @dataclass
 class GenerationSettings:
     """Sampling settings of the rollout engine.
@@ -203,6 +254,27 @@ class GenerationSettings:
             :class:`~lightning_memrl.errors.DataError` naming its task (it is never truncated). None:
             the model's ``max_position_embeddings`` minus the turn's new tokens.
         stop_strings: extra strings that end a response (kept in it, like EOS).
+        min_p: keep the tokens whose probability (after temperature) is at least ``min_p`` times the
+            most likely token's (TRL's ``min_p``); None or 0 disables it. Sampling only.
+        repetition_penalty: divides the positive (multiplies the negative) logits of every token
+            already in the prompt or the response, as ``transformers``' (TRL's ``repetition_penalty``);
+            1.0 disables it. Applies to greedy turns (validation, frozen agents) too.
+        generation_kwargs: further options of ``model.generate`` (TRL's ``generation_kwargs``), e.g.
+            ``{no_repeat_ngram_size: 3}``. A key that one of the options above, ``grpo.group_size`` or
+            the engine sets (``temperature``, ``max_new_tokens``, ``num_return_sequences``,
+            ``eos_token_id``, ...) is refused, naming the option to use. Sampling-only keys
+            (``typical_p``, ``epsilon_cutoff``, ...) are left out of greedy turns. None: none.
+        num_generations_eval: responses per task at validation and test (TRL's ``num_generations_eval``).
+            1: one greedy response. More: that many sampled with these settings (the
+            ``val/*`` metrics average over them; needs ``temperature > 0``).
+
+    ``min_p``, ``repetition_penalty``, ``top_p``, ``top_k`` and ``generation_kwargs`` choose which
+    tokens are sampled; the log-probs recorded for the sampled tokens, and those of the update, stay
+    the model's own ``log softmax(logits / temperature)``, as TRL computes its old log-probs with a
+    forward pass of the model. ``train/logprob_gap`` therefore still measures only how far the
+    trainer's numbers are from the sampler's for the same distribution (about 0), and the importance
+    ratio starts at 1: the difference between the processed distribution the tokens came from and
+    the model's is not corrected (the samples are slightly off-policy, as in TRL).
     """
 
     temperature: float = 0.7
@@ -211,6 +283,10 @@ class GenerationSettings:
     max_new_tokens: int = 32
     max_prompt_length: int | None = None
     stop_strings: list[str] = field(default_factory=list)
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+    num_generations_eval: int = 1
 
     def __post_init__(self) -> None:
         p = "model.init_args.generation."
@@ -218,6 +294,17 @@ class GenerationSettings:
         check_option(p + "top_p", self.top_p, 0.0, 1.0, low_open=True, why="1 disables nucleus sampling")
         check_option(p + "top_k", self.top_k, 0, why="0 disables top-k")
         check_option(p + "max_new_tokens", self.max_new_tokens, 1)
+        if self.min_p is not None:
+            check_option(p + "min_p", self.min_p, 0.0, 1.0, why="null or 0 disables it")
+        check_option(p + "repetition_penalty", self.repetition_penalty, 0.0, low_open=True, why="1 disables it")
+        check_option(p + "num_generations_eval", self.num_generations_eval, 1)
+        if self.num_generations_eval > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"{p}num_generations_eval={self.num_generations_eval} samples several responses per task, but "
+                f"{p}temperature is 0 (greedy: every sample would be the same): set a temperature > 0 or "
+                "num_generations_eval: 1"
+            )
+        check_generation_kwargs(self.generation_kwargs or {})
 
     def greedy(self, max_new_tokens: int | None = None) -> GenerationSettings:
         """These settings without sampling (validation, frozen agents): the same caps and stop strings.
@@ -230,4 +317,13 @@ class GenerationSettings:
             max_new_tokens=max_new_tokens or self.max_new_tokens,
             max_prompt_length=self.max_prompt_length,
             stop_strings=self.stop_strings,
+            repetition_penalty=self.repetition_penalty,
+            generation_kwargs={k: v for k, v in (self.generation_kwargs or {}).items() if k not in SAMPLING_ONLY},
         )
+
+    def for_validation(self, max_new_tokens: int | None = None) -> GenerationSettings:
+        """The settings of validation and test turns: :meth:`greedy` when ``num_generations_eval`` is 1,
+        else these sampling settings (with ``max_new_tokens``, when given, as the answer cap)."""
+        if self.num_generations_eval == 1:
+            return self.greedy(max_new_tokens)
+        return replace(self, max_new_tokens=max_new_tokens or self.max_new_tokens)

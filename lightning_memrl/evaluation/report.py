@@ -67,7 +67,8 @@ def format_report(report: dict[str, Any]) -> str:
             out.append(line)
         return out
 
-    lines = [f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')})"]
+    samples = f", {report['samples_per_task']:g} samples per task" if "samples_per_task" in report else ""
+    lines = [f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')}{samples})"]
     lines += table("chunks", report["by_num_chunks"])
     if "by_category" in report:
         lines += table("category", report["by_category"])
@@ -204,4 +205,8 @@ class EvaluationLog:
         records = distributed.gather_objects(self.records)
         predictions = distributed.gather_objects(self.predictions)
         if records and is_global_zero:
-            write_evaluation(evaluation_report(records, step=step, model=model), predictions, log_dir)
+            info: dict[str, Any] = {"step": step, "model": model}
+            samples = len(predictions) / max(len({row["id"] for row in predictions}), 1)
+            if samples > 1:  # generation.num_generations_eval: a row per sample, the means over all of them
+                info["samples_per_task"] = samples
+            write_evaluation(evaluation_report(records, **info), predictions, log_dir)

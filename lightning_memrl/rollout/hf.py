@@ -2,7 +2,9 @@
 
 Token-in/token-out: callers pass prompt token ids and get back the exact generated ids with the
 log-probability of each under the sampling temperature; the update trains on these ids and never
-re-tokenises text.
+re-tokenises text. The log-probs are the model's (``generate``'s raw logits over the temperature),
+before top-p, top-k, min-p, the repetition penalty or ``generation_kwargs`` reshape them for sampling:
+the distribution the update computes (see :class:`~lightning_memrl.settings.GenerationSettings`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from lightning_memrl.rollout.prefix import (
     shared_prefix_groups,
     split_shared_prefixes,
 )
-from lightning_memrl.settings import GenerationSettings
+from lightning_memrl.settings import SAMPLING_ONLY, GenerationSettings
 from lightning_memrl.types import Generation
 
 NEUTRAL_PROCESSING: dict[str, Any] = {  # every generate option that changes the sampled distribution, set off
@@ -134,7 +136,8 @@ class RolloutEngine(RolloutBackend):
         return layout.row_ids, layout.row_mask, cache
 
     def _generate_kwargs(self, settings: GenerationSettings, max_new_tokens: int) -> dict[str, Any]:
-        """Options of ``model.generate``: only temperature / top-p / top-k shape the distribution."""
+        """Options of ``model.generate``: only the settings' options shape the distribution (temperature,
+        top-p, top-k, min-p, repetition penalty and ``generation_kwargs``; the rest is switched off)."""
         greedy = settings.temperature <= 0
         kwargs: dict[str, Any] = {
             **NEUTRAL_PROCESSING,
@@ -148,10 +151,17 @@ class RolloutEngine(RolloutBackend):
         }
         if not greedy:
             kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+            if settings.min_p:
+                kwargs["min_p"] = settings.min_p
         else:  # neutral values so a model's generation_config does not warn or sample
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        if settings.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = settings.repetition_penalty
         if settings.stop_strings:
             kwargs.update(stop_strings=list(settings.stop_strings), tokenizer=self.tokenizer)
+        kwargs.update(  # checked when parsed: no key of the above (GenerationSettings.generation_kwargs)
+            {k: v for k, v in (settings.generation_kwargs or {}).items() if not (greedy and k in SAMPLING_ONLY)}
+        )
         return kwargs
 
     def prompt_limit(self, settings: GenerationSettings, max_new_tokens: int) -> tuple[int | None, str]:
