@@ -11,6 +11,7 @@ from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
 from lightning_memrl.module import MemRLModule
 from lightning_memrl.plot import main as plot_main
+from lightning_memrl.threads import configure_threads_at_start
 
 
 def build_cli(args: list[str] | None = None) -> LightningCLI:
@@ -34,6 +35,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "plot":
         plot_main(sys.argv[2:])
         return
+    configure_threads_at_start()  # torch CPU threads from the CPUs this process may use, unless OMP_NUM_THREADS is set
     try:
         build_cli()
     except Exception as err:  # a user's data or config: the message names it; a traceback would bury it

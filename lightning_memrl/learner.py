@@ -61,13 +61,13 @@ class Trainee(Protocol):
     sequence_logprobs: Callable[..., tuple[Tensor, Tensor | None]]  # this file's sequence_logprobs, or an override
 
 
-def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Split row indices into micro-batches whose padded size stays within ``token_budget``.
+def micro_batches(lengths: list[int], token_budget: int, rows: list[int] | None = None) -> list[list[int]]:
+    """Split row indices (``rows``, default all) into micro-batches whose padded size stays within ``token_budget``.
 
     Rows are sorted by length so rows of similar length share a micro-batch (less padding). A row
     longer than the budget gets a micro-batch of its own.
     """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    order = sorted(range(len(lengths)) if rows is None else rows, key=lambda i: lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []
     for i in order:
@@ -185,12 +185,14 @@ def update(module: Trainee, rollouts: RolloutBatch) -> dict[str, float]:
         module.workflow.max_response_tokens(module.generation),
     )
     lengths = [len(p) + int(n) for p, n in zip(rollouts.prompt_ids, rollouts.response_mask.sum(-1))]
-    batches = micro_batches(lengths, g.micro_batch_tokens)
-    if distributed.max_over_ranks(len(batches)) == 0:  # no trainable turn on any rank (only frozen agents spoke)
+    inert = losses.rows_without_gradient(g, rollouts.advantages, weights)  # [M]: no forward, no backward
+    batches = micro_batches(lengths, g.micro_batch_tokens, [i for i, out in enumerate(inert.tolist()) if not out])
+    passes = distributed.max_over_ranks(len(batches))
+    if passes == 0 and not distributed.max_over_ranks(int(inert.any())):  # no trainable turn (only frozen agents spoke)
         _step(opt, scheduler)  # still one step: global_step advances, a workflow module's gradients apply
         module.engine.sync_weights(module.policy)
         return {"loss": 0.0, "grad_norm": 0.0, "reference_time": 0.0, "logprob_gap": 0.0, "micro_batches": 0.0}
-    placeholder = not batches  # only this rank has no trainable turn: zero-weight passes keep it in step
+    placeholder = not batches and passes > 0  # only this rank has nothing to train: zero-weight passes keep it in step
     if placeholder:
         rollouts, weights, batches = rollouts.with_placeholder_row(module.engine.pad_id), torch.zeros(1, 1), [[0]]
     batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
@@ -203,20 +205,24 @@ def update(module: Trainee, rollouts: RolloutBatch) -> dict[str, float]:
         epoch_loss, gap = epoch_backward(module, rollouts, weights, batches, real_batches, old_lp, ref_lp, sums, epoch)
         logprob_gap += gap
         loss_total += epoch_loss
+        if passes == 0:  # every row skipped: the gradient the passes would have left, exactly zero
+            zero_gradients(module.policy)
         grad_norm, skip = clip_gradients_or_skip(module, opt, epoch_loss)
         skipped += skip
         _step(opt, scheduler)  # after a skip no parameter has a gradient: AdamW changes no weight and no moment
         if not skip:  # the rollout backend samples the next batch from the new weights
             module.engine.sync_weights(module.policy)
-    tokens = float(mask.sum()) * g.ppo_epochs
-    out = {key: value / tokens for key, value in sums.items()}
+    computed = max(float(mask[~inert].sum()), 1.0)  # the per-token metrics cover the rows the passes computed
+    out = {key: value / (computed * g.ppo_epochs) for key, value in sums.items()}
     out.update(
         loss=loss_total / g.ppo_epochs,
         grad_norm=grad_norm,
         reference_time=ref_time,
-        logprob_gap=logprob_gap / max(float(mask.sum()), 1.0),
+        logprob_gap=logprob_gap / computed,
         micro_batches=float(len(batches)),
         skipped_steps=float(skipped),
+        skipped_rows=float(inert.sum()),
+        skipped_tokens=float(mask[inert].sum()),
     )
     if g.mask_truncated_completions:  # the share of generated tokens that truncated turns kept out of the loss
         out["loss_variant/truncated_masked_frac"] = 1.0 - float(trained.sum()) / max(float(mask.sum()), 1.0)
@@ -229,6 +235,13 @@ def _step(opt: Any, scheduler: Any) -> None:
     opt.zero_grad(set_to_none=True)
     if scheduler is not None:
         scheduler.step()
+
+
+def zero_gradients(model: Any) -> None:
+    """Give every trainable parameter without a gradient a zero one, as a backward pass of a zero loss would."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _rows(rollouts: RolloutBatch, idx: list[int]) -> tuple[list[list[int]], Tensor, Tensor]:

@@ -238,6 +238,32 @@ def policy_loss(
     return loss, stats
 
 
+def rows_without_gradient(
+    g: GRPOSettings,
+    advantages: Tensor,  # [M, T]
+    weights: Tensor,  # [M, T] aggregation weights over the whole batch (loss_token_weights)
+) -> Tensor:  # [M] bool
+    """Rows whose share of :func:`policy_loss` has an exactly zero gradient, so the update can skip them.
+
+    A row qualifies when no token of it carries aggregation weight (``mask_truncated_completions``),
+    or when every weighted token's advantage is exactly 0 and neither the KL penalty (``kl_coef``)
+    nor the entropy bonus (``entropy_coef``) applies: both surrogates (``clip``, also with
+    ``dual_clip``, and ``cispo``) at either ``importance_sampling_level`` are then ``-0·(...)`` per
+    token, and GSPO's sequence ratio only mixes a row's own tokens. ``top_entropy_quantile < 1``
+    skips nothing: its threshold is a quantile over the micro-batch's rows, so a row's entropies
+    move the other rows' selection. None qualifies when ``skip_zero_advantage`` is off. A new
+    term of :func:`policy_loss` must be accounted for here.
+    """
+    rows = weights.shape[0]
+    if not g.skip_zero_advantage or g.top_entropy_quantile < 1.0:
+        return torch.zeros(rows, dtype=torch.bool)
+    unweighted = weights == 0
+    finite = torch.isfinite(advantages).all(-1)  # a NaN advantage makes the loss NaN: the step's guard must see it
+    if g.kl_coef > 0 or g.entropy_coef != 0:
+        return unweighted.all(-1) & finite
+    return (unweighted | (advantages == 0)).all(-1) & finite
+
+
 def _surrogate(
     g: GRPOSettings,
     logprobs: Tensor,  # [B, R]

@@ -58,6 +58,12 @@ class GRPOSettings:
             their KL term and their place in the aggregation's denominator. 1.0 trains every token.
         mask_truncated_completions: turns that hit their token cap without ending get no loss at all
             (zero weight, and out of the aggregation's token counts), as TRL and DAPO's overlong filtering.
+        skip_zero_advantage: run no forward or backward pass for a turn whose gradient is exactly zero:
+            every trained token's advantage is 0 (a group of equal rewards) and neither ``kl_coef`` nor
+            ``entropy_coef`` applies, or no token of it is trained (see
+            :func:`~lightning_memrl.losses.rows_without_gradient`). The aggregation weights are computed over
+            the whole batch first, so the gradient is the same; a step with every turn skipped still takes its
+            ``ppo_epochs`` optimizer steps, on a zero gradient. ``train/skipped_tokens`` counts them.
     """
 
     group_size: int = 4
@@ -77,6 +83,7 @@ class GRPOSettings:
     importance_sampling_level: ImportanceSamplingLevel = "token"
     top_entropy_quantile: float = 1.0
     mask_truncated_completions: bool = False
+    skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
         p = "model.init_args.grpo."

@@ -97,6 +97,10 @@ def _zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
     )
 
 
+# optimizer steps skipped (non-finite), and turns left out of the passes because their gradient is zero
+SKIP_COUNTS = ("skipped_steps", "skipped_tokens", "skipped_rows")
+
+
 def step_metrics(
     rollouts: RolloutBatch,
     stats: dict[str, float],
@@ -128,7 +132,6 @@ def step_metrics(
         "train/frac_reward_zero_std": float(zero_std.mean()),
         "train/nonfinite_rewards": stats.get("nonfinite_rewards", 0.0),
         "train/frac_reward_nan": stats.get("frac_reward_nan", 0.0),
-        "train/skipped_steps": stats.get("skipped_steps", 0.0),
         "train/advantage_abs": float(rollouts.trajectory_advantages.abs().mean()) if rollouts.num_trajectories else 0.0,
         "train/response_length": float(lengths[~is_mem].mean()) if (~is_mem).any() else 0.0,
         "train/memory_length": float(lengths[is_mem].mean()) if is_mem.any() else 0.0,
@@ -148,6 +151,7 @@ def step_metrics(
         "time/rollout_tokens_per_s": tokens / max(rollout_time, 1e-9),
         "time/update_tokens_per_s": tokens * ppo_epochs / max(update_time, 1e-9),
     }
+    metrics.update({f"train/{key}": stats.get(key, 0.0) for key in SKIP_COUNTS})
     for key, value in stats.items():  # the loss options that are on (GRPOSettings): the same keys on every rank
         if key.startswith("loss_variant/"):
             metrics[f"train/{key}"] = value
