@@ -1,5 +1,6 @@
 """lightning_memrl: train memory-augmented LLM agents with reinforcement learning on Lightning."""
 
+from lightning_memrl import console
 from lightning_memrl.adapters import LoraSettings
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative
 from lightning_memrl.data.datamodule import MemRLDataModule
@@ -19,6 +20,8 @@ from lightning_memrl.workflows.base import Workflow
 from lightning_memrl.workflows.memagent import MemAgentWorkflow
 from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
 from lightning_memrl.workflows.rmm import RMMWorkflow
+
+console.quiet_known_noise()  # one bitsandbytes line that every LoRA model's import of it prints
 
 __version__ = "0.1.0"
 __all__ = [

@@ -22,12 +22,13 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_memrl import distributed, guards, learner
+from lightning_memrl import console, distributed, guards, learner
 from lightning_memrl.adapters import check_base_reference
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
 from lightning_memrl.credit.dynamic_sampling import DynamicSampling
 from lightning_memrl.evaluation.report import EvaluationLog, step_metrics
+from lightning_memrl.evaluation.tables import log_step_completions
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
 from lightning_memrl.resume import ExactResume
 from lightning_memrl.rewards import ExactMatch, RewardFunction, check_answer_pattern
@@ -131,7 +132,7 @@ class MemRLModule(L.LightningModule):
         self.tokenizer: Any = None
         self.engine: RolloutBackend | None = None
         self._reference: Any = None  # not a registered submodule: kept out of checkpoints
-        self.val_exact_match, self.val_f1, self.val_reward = MeanMetric(), MeanMetric(), MeanMetric()
+        self.val_exact_match, self.val_f1, self.val_reward, self.val_bleu1 = (MeanMetric() for _ in range(4))
         self._evaluation = EvaluationLog()  # the validation/test epoch's tasks
         self._checkpoint_step = 0  # step of the checkpoint a validate/test run loaded
         # trainable parts of the workflow (e.g. RMM's reranker): registered, so they reach the
@@ -300,7 +301,9 @@ class MemRLModule(L.LightningModule):
         lr = float(self.optimizers().param_groups[0]["lr"])
         metrics = step_metrics(rollouts, stats, lr, timing, self.grpo.ppo_epochs, self.grpo.kl_coef > 0)
         self.log_dict(metrics, batch_size=rollouts.num_trajectories, sync_dist=distributed.is_distributed())
-        self.log("reward", metrics["train/reward"], prog_bar=True, logger=False, batch_size=rollouts.num_trajectories)
+        bar = console.progress_bar_metrics(metrics)  # reward, loss, KL, seconds per step
+        self.log_dict(bar, prog_bar=True, logger=False, batch_size=rollouts.num_trajectories)
+        log_step_completions(self, rollouts)  # grpo.log_completions: a table of sample completions
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: list[Task], batch_idx: int) -> None:
@@ -315,11 +318,13 @@ class MemRLModule(L.LightningModule):
             em, f1 = self._evaluation.add(trajectory, self.answer_pattern, self.workflow)
             self.val_exact_match.update(em)
             self.val_f1.update(f1)
+            self.val_bleu1.update(self._evaluation.bleu1_scores[-1])
         valid = rollouts.rewards[~torch.isnan(rollouts.rewards)]
         if valid.numel():
             self.val_reward.update(valid)
         self.log("val/exact_match", self.val_exact_match, prog_bar=True, batch_size=len(batch))
         self.log("val/f1", self.val_f1, batch_size=len(batch))
+        self.log("val/bleu1", self.val_bleu1, batch_size=len(batch))
         self.log("val/reward", self.val_reward, batch_size=len(batch))
 
     test_step = validation_step
@@ -333,7 +338,7 @@ class MemRLModule(L.LightningModule):
             return
         step = self.global_step if self.trainer.state.fn == "fit" else self._checkpoint_step
         log_dir = self.trainer.log_dir or self.trainer.default_root_dir
-        self._evaluation.write(step, self.model_name_or_path, log_dir, self.trainer.is_global_zero)
+        self._evaluation.write(step, self.model_name_or_path, log_dir, self.trainer.is_global_zero, self.loggers)
 
     on_test_epoch_start = on_validation_epoch_start
     on_test_epoch_end = on_validation_epoch_end
@@ -347,7 +352,14 @@ class MemRLModule(L.LightningModule):
         )
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``)."""
+        """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``).
+
+        Also readies the console (:mod:`lightning_memrl.console`): INFO lines, the progress bar counting
+        optimizer steps.
+        """
+        console.show_info_logs()
+        console.quiet_known_noise()
+        console.use_step_progress_bar(self.trainer)
         return [ExactResume()]
 
     def setup(self, stage: str) -> None:

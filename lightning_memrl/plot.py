@@ -88,7 +88,7 @@ def plot_learning_curves(
 
 
 def plot_evaluation(reports: list[dict], labels: list[str], out: Path) -> Path:
-    """Grouped bars of exact match and F1, overall and by number of chunks, one bar per report."""
+    """Grouped bars of exact match and F1, overall and by number of chunks (or the report's ``unit``), per report."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +104,7 @@ def plot_evaluation(reports: list[dict], labels: list[str], out: Path) -> Path:
             bars = ax.bar([x + i * width for x in range(len(groups))], values, width, label=label)
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.set_xticks([x + width * (len(reports) - 1) / 2 for x in range(len(groups))], [f"{g}" for g in groups])
-        ax.set_xlabel("chunks in the context")
+        ax.set_xlabel(f"{reports[0].get('unit', 'chunks')} in the context")  # LoCoMo: sessions
         ax.set_ylabel(f"{metric} (%)")
         ax.set_ylim(0, 105)
         ax.legend(fontsize=8)

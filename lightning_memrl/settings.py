@@ -64,6 +64,11 @@ class GRPOSettings:
             :func:`~lightning_memrl.losses.rows_without_gradient`). The aggregation weights are computed over
             the whole batch first, so the gradient is the same; a step with every turn skipped still takes its
             ``ppo_epochs`` optimizer steps, on a zero gradient. ``train/skipped_tokens`` counts them.
+        log_completions: log a table of the step's sample completions (task, the tail of the final
+            prompt, completion, reward, advantage) to TensorBoard as the text ``completions``, every
+            ``trainer.log_every_n_steps`` optimizer steps, as TRL.
+        num_completions_to_print: how many trajectories that table shows (a step's first ones, so
+            the members of its first groups side by side); None shows them all, as TRL.
     """
 
     group_size: int = 4
@@ -84,6 +89,8 @@ class GRPOSettings:
     top_entropy_quantile: float = 1.0
     mask_truncated_completions: bool = False
     skip_zero_advantage: bool = True
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
 
     def __post_init__(self) -> None:
         p = "model.init_args.grpo."
@@ -99,6 +106,8 @@ class GRPOSettings:
         check_option(p + "max_grad_norm", self.max_grad_norm, 0.0, why="0 disables clipping")
         check_option(p + "max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1)
         check_choice(p + "loss_type", self.loss_type, ("clip", "cispo"))
+        if self.num_completions_to_print is not None:
+            check_option(p + "num_completions_to_print", self.num_completions_to_print, 1, why="null shows them all")
         check_choice(p + "importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
         check_option(
             p + "top_entropy_quantile", self.top_entropy_quantile, 0.0, 1.0, low_open=True, why="1 trains every token"

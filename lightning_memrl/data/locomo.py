@@ -226,6 +226,7 @@ def _question_task(
             "conversation_id": conversation.id,
             "category": category,
             "evidence": evidence,
+            "context_unit": "sessions",  # what the evaluation report and plots count the context in
         },
     )
 

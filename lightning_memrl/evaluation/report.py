@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from torch import Tensor
 
 from lightning_memrl import distributed
 from lightning_memrl.evaluation.metrics import bleu1
+from lightning_memrl.evaluation.tables import log_evaluation_report
 from lightning_memrl.rewards import answer_from_completion, exact_match, token_f1
 from lightning_memrl.types import RolloutBatch, Trajectory
 
@@ -69,16 +71,21 @@ def format_report(report: dict[str, Any]) -> str:
 
     samples = f", {report['samples_per_task']:g} samples per task" if "samples_per_task" in report else ""
     lines = [f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')}{samples})"]
-    lines += table("chunks", report["by_num_chunks"])
+    lines += table(report.get("unit", "chunks"), report["by_num_chunks"])
     if "by_category" in report:
         lines += table("category", report["by_category"])
     return "\n".join(lines)
 
 
-def write_evaluation(report: dict[str, Any], predictions: list[dict[str, Any]], log_dir: str) -> None:
-    """Print the report and save it as ``eval_report_step<N>.json`` next to ``eval_predictions_step<N>.jsonl``."""
+def write_evaluation(
+    report: dict[str, Any], predictions: list[dict[str, Any]], log_dir: str, loggers: Sequence[Any] = ()
+) -> None:
+    """Print the report, hand it to ``loggers`` (:func:`~lightning_memrl.evaluation.tables.log_evaluation_report`)
+    and save it as ``eval_report_step<N>.json`` next to ``eval_predictions_step<N>.jsonl``."""
     step = report["step"]
-    print(format_report(report))
+    text = format_report(report)
+    print(text)
+    log_evaluation_report(report, text, loggers)
     path = Path(log_dir) / f"eval_report_step{step}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
@@ -183,34 +190,40 @@ class EvaluationLog:
 
     records: list[tuple[int, float, float, dict[str, Any]]] = field(default_factory=list)  # (chunks, EM, F1, extras)
     predictions: list[dict[str, Any]] = field(default_factory=list)  # rows of eval_predictions_step<N>.jsonl
+    unit: str = "chunks"  # what a context's parts are (a task's meta["context_unit"], e.g. LoCoMo's "sessions")
+    bleu1_scores: list[float] = field(default_factory=list)  # BLEU-1 of each task, in order
 
     def add(self, trajectory: Trajectory, answer_pattern: str | None, workflow: Any) -> tuple[float, float]:
         """Score the trajectory's answer (exact match, token F1, BLEU-1, the workflow's ``evaluation_metrics``).
 
         Returns:
-            Its exact match and F1.
+            Its exact match and F1 (its BLEU-1 is ``self.bleu1_scores[-1]``).
         """
         answer = answer_from_completion(trajectory.final_text, answer_pattern)
         answers = trajectory.task.answers
         em, f1 = exact_match(answer, answers), token_f1(answer, answers)
-        extras = {"category": trajectory.task.meta.get("category"), "bleu1": bleu1(answer, answers)}
+        self.bleu1_scores.append(bleu1(answer, answers))
+        self.unit = trajectory.task.meta.get("context_unit", self.unit)
+        extras = {"category": trajectory.task.meta.get("category"), "bleu1": self.bleu1_scores[-1]}
         extras.update(workflow.evaluation_metrics(trajectory))
         self.records.append((len(trajectory.chunks), em, f1, extras))
         self.predictions.append(prediction_row(trajectory, answer, em))
         return em, f1
 
-    def write(self, step: int, model: str, log_dir: str, is_global_zero: bool) -> None:
-        """Gather every rank's tasks; global rank 0 prints the report and writes its files.
+    def write(self, step: int, model: str, log_dir: str, is_global_zero: bool, loggers: Sequence[Any] = ()) -> None:
+        """Gather every rank's tasks; global rank 0 prints the report, logs it to ``loggers`` and writes its files.
 
-        Next to ``eval_report_step<N>.json`` (overall, by number of chunks, by category),
+        Next to ``eval_report_step<N>.json`` (overall, by number of chunks, by category; ``unit`` names
+        what was counted),
         ``eval_predictions_step<N>.jsonl`` holds one line per task: question, gold answers, the memory
         after each turn, the completion and its score.
         """
         records = distributed.gather_objects(self.records)
         predictions = distributed.gather_objects(self.predictions)
         if records and is_global_zero:
-            info: dict[str, Any] = {"step": step, "model": model}
+            info: dict[str, Any] = {"step": step, "model": model, "unit": self.unit}
             samples = len(predictions) / max(len({row["id"] for row in predictions}), 1)
             if samples > 1:  # generation.num_generations_eval: a row per sample, the means over all of them
                 info["samples_per_task"] = samples
-            write_evaluation(evaluation_report(records, **info), predictions, log_dir)
+            report = evaluation_report(records, **info)
+            write_evaluation(report, predictions, log_dir, loggers)

@@ -137,7 +137,7 @@ def prefill_shared_prefixes(model: Any, layout: SharedPrefixLayout, **kwargs: An
         **kwargs: passed to the forward (e.g. ``cache=DynamicCache()``, ``logits_to_keep=1``).
 
     Returns:
-        The cache (``kwargs["cache"]`` when given, else the forward's ``past_key_values``) over the
+        The cache (``kwargs["cache"]`` when given, else the forward's output cache) over the
         ``P`` prefix columns, ``[G, ...]`` reordered to ``[B, ...]``.
     """
     out = model(
@@ -147,6 +147,8 @@ def prefill_shared_prefixes(model: Any, layout: SharedPrefixLayout, **kwargs: An
         use_cache=True,
         **kwargs,
     )
-    cache = kwargs["cache"] if kwargs.get("cache") is not None else out.past_key_values
+    cache = kwargs.get("cache")
+    if cache is None:  # transformers 5 names the output's cache `cache` (`past_key_values` warns, deprecated)
+        cache = out["cache"] if "cache" in out else out.past_key_values
     cache.reorder_cache(layout.group_of_row)  # [G, ...] -> [B, ...]
     return cache
