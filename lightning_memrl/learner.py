@@ -17,16 +17,17 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from lightning_memrl import distributed, guards, losses
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.rewards import RewardFunction
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.prefix import (
+    checkpoint_with_cache,
     left_pad,
     position_ids,
     prefill_shared_prefixes,
+    replayable_cache,
     shared_prefix_groups,
     split_shared_prefixes,
 )
@@ -130,11 +131,8 @@ def sequence_logprobs(
 
 
 def update_prefix_groups(module: Trainee, prompts: list[list[int]]) -> list[tuple[int, list[int]]]:
-    """Groups of rows whose prompts share a prefix, or ``[]`` when sharing is off or saves nothing.
-
-    Off with gradient checkpointing, whose recomputation would write the KV cache twice.
-    """
-    if not module.share_prefixes or module.gradient_checkpointing:
+    """Groups of rows whose prompts share a prefix, or ``[]`` when sharing is off or saves nothing."""
+    if not module.share_prefixes:
         return []
     order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # equal prefixes side by side
     groups = shared_prefix_groups([prompts[i] for i in order], module.engine.min_shared_prefix)
@@ -154,20 +152,22 @@ def shared_prefix_hidden(
 
     Exact: a causal model's states over a shared prefix do not depend on what follows, so the
     prefix's keys and values are computed once per group and copied (by a differentiable
-    index) to its members; the members' gradients flow back into that one computation.
+    index) to its members; the members' gradients flow back into that one computation. The
+    cache answers a gradient-checkpointed layer's replay as it answered its forward.
     """
     device = module.device
     layout = split_shared_prefixes(prompts, groups, module.engine.pad_id, device)
     full_mask = torch.cat([layout.row_mask, response_mask.to(device)], dim=1)  # [B, P+S+R]
-    cache = prefill_shared_prefixes(decoder, layout, cache=DynamicCache())
     prefix_width, rest_width = layout.prefix_ids.shape[1], layout.rest_ids.shape[1]
-    hidden = decoder(
-        input_ids=torch.cat([layout.rest_ids, response_ids.to(device)], dim=1),
-        attention_mask=full_mask,
-        position_ids=position_ids(full_mask)[:, prefix_width:],
-        cache=cache,
-        use_cache=True,
-    ).last_hidden_state  # [B, S+R, H]
+    with checkpoint_with_cache(decoder):
+        cache = prefill_shared_prefixes(decoder, layout, cache=replayable_cache())
+        hidden = decoder(
+            input_ids=torch.cat([layout.rest_ids, response_ids.to(device)], dim=1),
+            attention_mask=full_mask,
+            position_ids=position_ids(full_mask)[:, prefix_width:],
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state  # [B, S+R, H]
     return hidden[:, rest_width - 1 : -1]
 
 

@@ -46,7 +46,8 @@ def _chunk_scores(
         logits.div_(temperature)  # in place: linear's backward does not need its output
     lse = torch.logsumexp(logits, dim=-1)  # [n]
     logprobs = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
+    replay = torch._C._current_graph_task_id() != -1  # a checkpoint recomputing this chunk in backward
+    if not with_entropy or (replay and not entropy_grad):  # a logged-only entropy is not needed by backward
         return logprobs, logprobs.new_zeros(())
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # a metric needs no graph
         probs = torch.softmax(logits, dim=-1)  # [n, V]

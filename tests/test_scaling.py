@@ -19,6 +19,7 @@ from lightning_memrl import (
     MemRLModule,
     OptimizerSettings,
     SyntheticTaskSettings,
+    learner,
 )
 from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.models import QuantizationSettings, build_tiny_model, load_policy, resolve_attn_implementation
@@ -157,11 +158,11 @@ def test_quantization_errors_name_the_option(saved_tiny, tiny_tokenizer):
 
 def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None, before_update=None, **kwargs):
     """Loss and LoRA gradients of one GRPO update on fixed rollouts (optimizer step captured)."""
+    kwargs.setdefault("share_prefixes", False)  # same decoder calls with and without checkpointing by default
     module = _module(
         lora=LoraSettings(r=4, alpha=8),
         gradient_checkpointing=gradient_checkpointing,
         grpo=GRPOSettings(group_size=2, kl_coef=0.1, max_grad_norm=0.0),
-        share_prefixes=False,  # same decoder calls with and without checkpointing: only the recomputation differs
         **kwargs,
     )
     module.configure_model()
@@ -222,6 +223,22 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     assert any(g.abs().sum() > 0 for g in grads_off.values())
     for name, grad in grads_off.items():
         torch.testing.assert_close(grads_on[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_keeps_shared_prefixes_with_the_same_loss_and_gradients(monkeypatch):
+    shared = []
+    real = learner.shared_prefix_hidden
+    monkeypatch.setattr(learner, "shared_prefix_hidden", lambda *a, **k: shared.append(1) or real(*a, **k))
+    stats_off, grads_off, rollouts, lora_state, calls_off = _update_grads(False, share_prefixes=True)
+    used_off, shared[:] = len(shared), []
+    stats_on, grads_on, _, _, calls_on = _update_grads(True, rollouts, lora_state, share_prefixes=True)
+    assert used_off > 0 and len(shared) == used_off  # the prefixes are still computed once per group
+    assert len(calls_on) > len(calls_off)  # and the layers run again in backward
+    assert stats_on["loss"] == pytest.approx(stats_off["loss"], rel=1e-6, abs=1e-8)
+    assert stats_on["kl"] == pytest.approx(stats_off["kl"], rel=1e-5, abs=1e-8)
+    assert grads_off and set(grads_on) == set(grads_off)
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_attn_auto_picks_flash_attention_on_cuda_when_installed(monkeypatch):

@@ -9,11 +9,15 @@ cache to every member.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
@@ -152,3 +156,50 @@ def prefill_shared_prefixes(model: Any, layout: SharedPrefixLayout, **kwargs: An
         cache = out["cache"] if "cache" in out else out.past_key_values
     cache.reorder_cache(layout.group_of_row)  # [G, ...] -> [B, ...]
     return cache
+
+
+class ReplayableLayer(DynamicLayer):
+    """A KV-cache layer that answers a checkpointed decoder layer's replay in backward as it answered the forward.
+
+    The update writes the shared prefixes once (:func:`prefill_shared_prefixes`), then the members'
+    forward reads them. With gradient checkpointing each decoder layer runs again in backward and
+    calls ``update`` again; a plain cache would append a second time. Here an update with the rows
+    the cache holds (the members, after the prefixes were copied to them) returns the stored states
+    followed by the new ones without storing anything, and any other update (the prefix pass and its
+    replay) stores its states if nothing is stored yet and returns them unchanged.
+    """
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states  # the prefix pass: its states are the cache
+            return key_states, value_states
+        if key_states.shape[0] != self.keys.shape[0]:  # the prefix pass replayed ([G] rows, the cache holds [B])
+            return key_states, value_states
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def replayable_cache() -> DynamicCache:
+    """An empty cache of :class:`ReplayableLayer` s, for a prefix-shared forward that may be checkpointed."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = ReplayableLayer
+    return cache
+
+
+@contextmanager
+def checkpoint_with_cache(model: Any) -> Iterator[None]:
+    """Let ``model``'s gradient-checkpointed layers keep the cache they are given (a :func:`replayable_cache`).
+
+    transformers drops the cache of a checkpointed layer (a replay would write it twice) unless the
+    layer says ``_can_checkpoint_with_cache``; the replayable cache makes that safe.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # the class's value again

@@ -1,0 +1,53 @@
+"""Memory: the per-phase RSS meter of ``benchmarks/memory_profile.py`` charges an allocation to its
+phase, and the LM head's backward recomputation leaves a logged-only entropy out."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+CLEAR_REFS = Path("/proc/self/clear_refs")
+needs_linux_rss = pytest.mark.skipif(
+    not (CLEAR_REFS.exists() and os.access(CLEAR_REFS, os.W_OK)), reason="needs Linux /proc/self/clear_refs"
+)
+
+
+@needs_linux_rss
+def test_peak_meter_charges_an_allocation_to_its_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    meter = importlib.import_module("memory_profile").PeakMeter()
+    with meter.phase("forward"):
+        with meter.phase("backward"):  # nested: belongs to the outer phase
+            block = torch.ones(64 * 2**18)  # 64 MiB, written so it is resident
+        del block
+    with meter.phase("optimizer"):
+        kept = torch.ones(16 * 2**18)  # 16 MiB that outlive the phase
+    assert meter.peaks["forward"] >= 60 and "backward" not in meter.peaks
+    assert meter.ends["forward"] < meter.peaks["forward"] - 50  # freed before the phase ended
+    assert 14 <= meter.peaks["optimizer"] < 40 and meter.ends["optimizer"] >= 14
+    assert meter.calls == {"forward": 1, "optimizer": 1}
+    del kept
+
+
+def test_head_logprobs_backward_replay_skips_a_logged_only_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_memrl.logprobs import head_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5))
+    expected = torch.log_softmax(head(hidden) / 0.7, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), hidden)
+    calls: list[int] = []
+    real = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logprobs, entropy = head_logprobs(hidden, head, ids, 0.7, with_entropy=True, chunk_tokens=3, entropy_grad=False)
+    assert len(calls) == 4 and entropy.shape == (2, 5)  # 10 positions in chunks of 3: the entropy of each
+    logprobs.sum().backward()
+    assert len(calls) == 4  # the backward's recomputation of each chunk left the entropy out (main: 8)
+    torch.testing.assert_close(hidden.grad, expected_grad, atol=1e-6, rtol=0)
