@@ -27,7 +27,7 @@ ours / naive. Generated lengths differ between the sides (sampling), so tokens/s
 Weights are float32 unless ``--dtype bfloat16`` (or ``auto`` on a CPU with bf16 hardware), the same
 on both sides; ``--lora_r`` adds fresh LoRA adapters (alpha 2r, every linear layer; B starts at zero,
 so the sampled tokens match the full-weight run's) that ours samples through merged weights unless
-``--merge_adapters false``. Writes ``benchmarks/results/rollout_<model>.json`` (``_small``,
+``--merge_adapters false``. Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
 ``_lora<r>``, ``_unmerged`` added to the name).
 """
 
@@ -99,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
     parser.add_argument("--seed", type=int, default=0, help="task and sampling seed")
     parser.add_argument("--sides", default="ours,naive", help="comma-separated sides to run: ours, naive")
+    parser.add_argument("--tag", default="", help="added to the result file's name (e.g. quickstart)")
     parser.add_argument("--worker", choices=["ours", "naive"], help=argparse.SUPPRESS)
     parser.add_argument("--model_path", help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = ours_over_naive(results)
     names = {"ours": "ours (batched)", "naive": "naive loop"}
     headers, rows = bu.comparison_table(LABELS, results, sides, ratios, names, "ours / naive")
-    tag = bu.model_tag(args.model) + ("_small" if args.small else "")
+    tag = bu.model_tag(args.model) + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
     if args.lora_r:
         tag += f"_lora{args.lora_r}" + ("" if args.merge_adapters == "true" else "_unmerged")
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)

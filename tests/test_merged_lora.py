@@ -72,13 +72,16 @@ class _Calls:
 def test_merged_rollout_samples_the_adapted_model_without_running_adapters() -> None:
     module = _module()
     calls = _Calls(module.policy)
-    _, _, gap = _sample(module, module.engine)
+    module.engine.generate(PROMPTS, SETTINGS)
     assert calls.count == 0  # no peft layer ran: plain layers over merged weights
-    assert gap < 1e-5, f"merged rollout vs learner: {gap:.3g}"
     assert module.engine.merged.merged_mib == pytest.approx(2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 4 / 2**20)
+    _, _, gap = _sample(module, module.engine)
+    assert gap < 1e-5, f"merged rollout vs learner: {gap:.3g}"
     unmerged = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, merge_adapters=False)
+    unmerged.generate(PROMPTS, SETTINGS)
+    assert calls.count > 0  # through peft's layers
     _, _, gap_unmerged = _sample(module, unmerged)
-    assert calls.count > 0 and gap_unmerged < 1e-5
+    assert gap_unmerged < 1e-5
     with module.policy.disable_adapter():  # the adapters matter: the base gives other logits
         base = _logits(module)
     assert float((base - _logits(module)).abs().max()) > 1e-2
@@ -143,7 +146,7 @@ def test_module_rollout_frees_the_merged_weights() -> None:
     data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=2, sentences_per_chunk=1))
     data.setup()
     rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
-    assert rollouts.response_mask.sum() > 0 and calls.count == 0
+    assert rollouts.response_mask.sum() > 0 and calls.count == 0  # every turn sampled from merged weights
     assert module.engine.merged.merged_mib == 0  # not held through the update
 
 
