@@ -9,7 +9,7 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
 * floor: the bytes of the weights (every parameter once: a tied embedding is read once, by the LM
   head) over the memory read bandwidth measured here (the sum of a ``--bandwidth_mib`` fp32
   tensor, best of 5, same threads): a decode step that only streamed its weights once.
-* bare: one ``model(input_ids [B, 1], past_key_values=cache)`` with the KV cache of the prompt,
+* bare: one ``model(input_ids [B, 1], cache=cache)`` with the KV cache of the prompt,
   greedy next token; the median of ``--steps`` steps.
 * engine: ``RolloutEngine.generate`` (sampling at T=1, log-probs of the sampled tokens, generate's
   per-token work): the time of ``--steps`` + 1 new tokens minus the time of 1 new token (same
@@ -95,7 +95,7 @@ def bare_decode_ms(model: Any, prompts: torch.Tensor, steps: int) -> float:
     token = out.logits[:, -1:].argmax(-1)
     for _ in range(steps + 1):  # the first step is warm-up
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, cache=cache, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) * 1e3

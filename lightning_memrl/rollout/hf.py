@@ -75,8 +75,10 @@ class RolloutEngine(RolloutBackend):
         share_prefixes: prefill shared prompt prefixes once (exact up to float rounding).
         min_shared_prefix: shortest shared prefix, in tokens, worth a separate prefill.
         merge_adapters: with LoRA, sample from merged copies of the adapted linear layers' weights
-            (the plain model's speed; see :mod:`lightning_memrl.rollout.merged`); layers it cannot
-            merge exactly (4-bit, sharded, DoRA) keep their adapters. False: through peft's layers.
+            (the plain model's speed; see :mod:`lightning_memrl.rollout.merged`). None (default):
+            layers whose base weights are fp32, where merging is exact; True: bf16/fp16 bases too
+            (the merged weight rounded to their dtype); False: every layer through peft. Layers that
+            cannot be merged (4-bit, FSDP-sharded, DoRA) always keep their adapters.
     """
 
     def __init__(
@@ -85,7 +87,7 @@ class RolloutEngine(RolloutBackend):
         tokenizer: Any,
         share_prefixes: bool = True,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
-        merge_adapters: bool = True,
+        merge_adapters: bool | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -94,7 +96,7 @@ class RolloutEngine(RolloutBackend):
         eos = getattr(model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.merged = MergedAdapters(model) if merge_adapters else None
+        self.merged = MergedAdapters(model, low_precision=bool(merge_adapters)) if merge_adapters is not False else None
 
     def sync_weights(self, model: Any) -> None:
         """``generate`` runs ``self.model``, the policy the optimizer updates in place: only merged
