@@ -46,6 +46,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+SPEED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags (``lscpu``'s) that decide matrix-product speed, from ``/proc/cpuinfo``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in SPEED_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def code_version() -> str:
     """The checkout's commit, marked ``+modified`` when ``lightning_memrl/`` has uncommitted changes."""
     root = Path(__file__).resolve().parent.parent
@@ -66,13 +81,14 @@ def code_version() -> str:
 
 
 def machine(threads: int) -> dict[str, Any]:
-    """Facts that make a timing comparable: CPU, ISA level, bf16 support, threads, versions, commit."""
+    """Facts that make a timing comparable: CPU, ISA level and flags, bf16 support, threads, versions, commit."""
     import transformers
 
     return {
         "cpu": cpu_model(),
         "arch": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": cpu_flags(),
         "bf16_hardware": cpu_bf16_supported(),
         "logical_cpus": os.cpu_count(),
         "threads": threads,

@@ -7,6 +7,8 @@ Run by ``grpo_step.py`` in its own process (``python benchmarks/grpo_step_ours.p
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import tempfile
 import time
@@ -76,6 +78,16 @@ class StepTimer(L.Callback):
         self.steps.append(finish_step(phases, step_s, module.workflow.generated))
 
 
+def ours_kwargs(text: str) -> dict[str, Any]:
+    """``--ours_kwargs`` as MemRLModule arguments; ``rollout`` as in YAML: ``{"class_path": ..., "init_args": ...}``."""
+    kwargs = json.loads(text)
+    if isinstance(kwargs.get("rollout"), dict):
+        module_name, _, name = kwargs["rollout"]["class_path"].rpartition(".")
+        backend = getattr(importlib.import_module(module_name), name)
+        kwargs["rollout"] = functools.partial(backend, **kwargs["rollout"].get("init_args", {}))
+    return kwargs
+
+
 def build_module(args: argparse.Namespace, workflow: Workflow) -> MemRLModule:
     """The module with TRL's settings: k3 KL, clip 0.2, token-mean loss, one PPO epoch, exact lengths."""
     lora = LoraSettings(r=args.lora_r, lora_alpha=2 * args.lora_r) if args.lora_r else None
@@ -98,7 +110,7 @@ def build_module(args: argparse.Namespace, workflow: Workflow) -> MemRLModule:
             max_grad_norm=1.0,
         ),
         optimizer=OptimizerSettings(lr=args.lr),
-        **json.loads(args.ours_kwargs),
+        **ours_kwargs(args.ours_kwargs),
     )
     module.configure_model()  # idempotent: fit does not load again
     module.policy.generation_config.min_new_tokens = args.new_tokens  # exactly new_tokens, as TRL

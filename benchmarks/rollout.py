@@ -5,6 +5,7 @@
     python benchmarks/rollout.py --model tiny        # the random tiny model
     python benchmarks/rollout.py --model tiny --small
     python benchmarks/rollout.py --small --threads 1   # on a CPU other jobs share (two threads stall there)
+    python benchmarks/rollout.py --small --sides ours --lora_r 16 --merge_adapters false   # LoRA through peft
 
 The episode set: ``--tasks`` synthetic long-context tasks, each repeated ``--group`` times (a GRPO
 group), each context cut into ``--chunks`` chunks of ``--chunk_tokens`` tokens; MemAgent's turns
@@ -24,7 +25,10 @@ conversations, prompt tokens (sum of prompt lengths), the positions the model ac
 (counted at its input embedding: prefill and decode, padding included) and peak RSS; the ratio is
 ours / naive. Generated lengths differ between the sides (sampling), so tokens/s is the measure.
 Weights are float32 unless ``--dtype bfloat16`` (or ``auto`` on a CPU with bf16 hardware), the same
-on both sides. Writes ``benchmarks/results/rollout_<model>.json`` (``..._small.json`` with ``--small``).
+on both sides; ``--lora_r`` adds fresh LoRA adapters (alpha 2r, every linear layer; B starts at zero,
+so the sampled tokens match the full-weight run's) that ours samples through merged weights unless
+``--merge_adapters false``. Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
+``_lora<r>``, ``_unmerged`` added to the name).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 
 from lightning_memrl import (
     GenerationSettings,
+    LoraSettings,
     MemAgentWorkflow,
     RolloutEngine,
     SyntheticTaskSettings,
@@ -57,7 +62,7 @@ from lightning_memrl.workflows.base import split_context
 
 SMALL = {"tasks": 2, "group": 4, "chunks": 3, "chunk_tokens": 256, "memory_tokens": 64}
 EPISODE_KEYS = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
-EPISODE_KEYS += ["top_k", "dtype", "threads", "seed"]  # with threads and seed: what a worker gets
+EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "threads", "seed"]  # with threads and seed: a worker's
 LABELS = {
     "wall_s": "wall time (s)",
     "generated_tokens": "generated tokens",
@@ -87,9 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top_p", type=float, default=0.95, help="nucleus mass (both sides)")
     parser.add_argument("--top_k", type=int, default=0, help="top-k (0 = off, both sides)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights, both sides")
+    parser.add_argument("--lora_r", type=int, default=0, help="LoRA adapters of rank r (alpha 2r) on both sides")
+    parser.add_argument(
+        "--merge_adapters", default="true", choices=["true", "false"], help="ours with LoRA: sample from merged weights"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
     parser.add_argument("--seed", type=int, default=0, help="task and sampling seed")
     parser.add_argument("--sides", default="ours,naive", help="comma-separated sides to run: ours, naive")
+    parser.add_argument("--tag", default="", help="added to the result file's name (e.g. quickstart)")
     parser.add_argument("--worker", choices=["ours", "naive"], help=argparse.SUPPRESS)
     parser.add_argument("--model_path", help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)
@@ -196,7 +206,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one side on the episode set and measure it."""
     bu.set_threads(args.threads)
     tokenizer = load_tokenizer(args.model_path)
-    model = load_policy(args.model_path, tokenizer, dtype=args.dtype).eval()
+    lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r) if args.lora_r else None
+    model = load_policy(args.model_path, tokenizer, dtype=args.dtype, lora=lora).eval()
     model.config.use_cache = True
     workflow = MemAgentWorkflow(
         max_memory_tokens=args.memory_tokens, chunk_tokens=args.chunk_tokens, max_chunks=args.chunks
@@ -206,11 +217,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     settings = GenerationSettings(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.answer_tokens
     )
-    engine = RolloutEngine(model, tokenizer)
+    engine = RolloutEngine(model, tokenizer, merge_adapters=args.merge_adapters == "true")
     warm = workflow.encode_prompt("Warm-up.", tokenizer)
     torch.manual_seed(args.seed)
     with torch.no_grad():
         engine.generate([warm], settings, max_new_tokens=4)
+        engine.sync_weights(model)  # as after an optimizer step: with LoRA the timed rollout merges once
         counter = PositionCounter(model)
         start = time.perf_counter()
         if args.worker == "ours":
@@ -269,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     ratios = ours_over_naive(results)
     names = {"ours": "ours (batched)", "naive": "naive loop"}
     headers, rows = bu.comparison_table(LABELS, results, sides, ratios, names, "ours / naive")
-    tag = bu.model_tag(args.model) + ("_small" if args.small else "")
+    tag = bu.model_tag(args.model) + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
+    if args.lora_r:
+        tag += f"_lora{args.lora_r}" + ("" if args.merge_adapters == "true" else "_unmerged")
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {
         "command": command.strip(),

@@ -231,6 +231,7 @@ class MemRLModule(L.LightningModule):
         frozen = self._reference if self.workflow.frozen_engine is not None else None  # the frozen agents' model
         with generation_mode(self.policy, frozen, self.device):
             trajectories = self.workflow.rollout(self.engine, tasks, settings)
+        self.engine.release_memory()  # e.g. merged LoRA weights: not kept through the update
         return RolloutBatch.from_trajectories(trajectories, self.grpo.group_size, self.engine.pad_id)
 
     def score(self, rollouts: RolloutBatch) -> None:

@@ -65,3 +65,24 @@ def test_credit_cost_append_keeps_earlier_runs_and_divides_by_each_sessions_base
     assert ratios == {"(none)": 1.0, "gspo": 0.9, "(none) session 2": 1.0, "tips": 1.2}  # 90/100 and 60/50
     with pytest.raises(SystemExit, match="--append: .* holds --config q.yaml --steps 1; run the same"):
         credit_cost.earlier_result(path, {"config": "q.yaml", "steps": 2, "machine": {}})
+
+
+def test_decode_reports_floor_bare_and_engine_steps_per_dtype(bench, monkeypatch, tmp_path):
+    bu, _ = bench
+    decode = importlib.import_module("decode")
+    monkeypatch.setattr(bu, "RESULTS", tmp_path)
+    argv = ["--model", "tiny", "--steps", "3", "--repeats", "1", "--prompt_tokens", "8", "--batch", "2"]
+    result = decode.main([*argv, "--bandwidth_mib", "16", "--lora_r", "2", "--threads", "1"])
+    assert result == json.loads((tmp_path / "decode_tiny.json").read_text())
+    assert result["read_bandwidth_gb_s"] > 0 and isinstance(result["machine"]["cpu_flags"], list)
+    assert sorted(result["dtypes"]) == ["bfloat16", "float32"]
+    fp32, bf16 = result["dtypes"]["float32"], result["dtypes"]["bfloat16"]
+    assert fp32["weights_mib"] == pytest.approx(2 * bf16["weights_mib"], rel=0.01)  # every weight once, in its dtype
+    bandwidth = result["read_bandwidth_gb_s"] * 1e9
+    assert fp32["floor_ms"] == pytest.approx(fp32["weights_mib"] * 2**20 / bandwidth * 1e3)
+    for row in (fp32, bf16):
+        assert 0 < row["bare_ms"] < 1e4
+        for key in ("engine_ms", "engine_lora_merged_ms", "engine_lora_unmerged_ms"):  # differences of two timings
+            assert math.isfinite(row[key]), key
+        assert row["engine_over_bare"] == pytest.approx(row["engine_ms"] / row["bare_ms"])
+        assert row["lora_merged_mib"] > 0

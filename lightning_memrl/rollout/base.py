@@ -83,6 +83,13 @@ class RolloutBackend(ABC):
         from the live policy in-process does nothing here.
         """
 
+    def release_memory(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing to free)
+        """Free what the backend holds only while sampling; called by ``MemRLModule`` after each rollout.
+
+        The next ``generate`` rebuilds it. The default engine frees its merged LoRA weights here, so
+        they do not add to the update's peak memory. Default: nothing.
+        """
+
 
 RolloutBackendFactory = Callable[[Any, Any], RolloutBackend]
 """Builds a backend from ``(model, tokenizer)``: a backend class, or (from YAML) the class with its

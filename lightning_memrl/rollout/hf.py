@@ -9,6 +9,7 @@ the distribution the update computes (see :class:`~lightning_memrl.settings.Gene
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
 from lightning_memrl.rollout.base import RolloutBackend
+from lightning_memrl.rollout.merged import MergedAdapters
 from lightning_memrl.rollout.prefix import (
     MIN_SHARED_PREFIX,
     left_pad,
@@ -63,7 +65,9 @@ sample from another distribution than the one whose log-probs are recorded and t
 class RolloutEngine(RolloutBackend):
     """Batched sampling with left padding and the KV cache of ``model.generate``.
 
-    Samples from ``model`` itself, in-process: with the live policy it needs no weight sync.
+    Samples from ``model`` itself, in-process: with the live policy it needs no weight sync, except
+    that a LoRA model's adapted layers run as plain layers over merged weights (``merge_adapters``),
+    rebuilt after ``sync_weights`` and freed by ``release_memory``.
     Members of a group that share a prompt prefix share its KV cache: the prefix is prefilled once
     per group, copied to every member, and each member prefills only the rest of its prompt.
 
@@ -72,10 +76,20 @@ class RolloutEngine(RolloutBackend):
         tokenizer: its tokenizer; needs a pad token (EOS is used when it has none).
         share_prefixes: prefill shared prompt prefixes once (exact up to float rounding).
         min_shared_prefix: shortest shared prefix, in tokens, worth a separate prefill.
+        merge_adapters: with LoRA, sample from merged copies of the adapted linear layers' weights
+            (the plain model's speed; see :mod:`lightning_memrl.rollout.merged`). None (default):
+            layers whose base weights are fp32, where merging is exact; True: bf16/fp16 bases too
+            (the merged weight rounded to their dtype); False: every layer through peft. Layers that
+            cannot be merged (4-bit, FSDP-sharded, DoRA) always keep their adapters.
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, share_prefixes: bool = True, min_shared_prefix: int = MIN_SHARED_PREFIX
+        self,
+        model: Any,
+        tokenizer: Any,
+        share_prefixes: bool = True,
+        min_shared_prefix: int = MIN_SHARED_PREFIX,
+        merge_adapters: bool | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -84,9 +98,18 @@ class RolloutEngine(RolloutBackend):
         eos = getattr(model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.merged = MergedAdapters(model, low_precision=bool(merge_adapters)) if merge_adapters is not False else None
 
     def sync_weights(self, model: Any) -> None:
-        """Nothing to do: ``generate`` runs ``self.model``, the policy the optimizer updates in place."""
+        """``generate`` runs ``self.model``, the policy the optimizer updates in place: only merged
+        LoRA weights are marked stale (rebuilt by the next ``generate``)."""
+        if self.merged:
+            self.merged.invalidate()
+
+    def release_memory(self) -> None:
+        """Free the merged LoRA weights after a rollout (see :meth:`RolloutBackend.release_memory`)."""
+        if self.merged:
+            self.merged.release()
 
     @torch.no_grad()
     def generate(
@@ -108,11 +131,12 @@ class RolloutEngine(RolloutBackend):
             return []
         max_new_tokens = max_new_tokens or settings.max_new_tokens
         self.check_prompt_lengths(prompts, settings, max_new_tokens, task_ids)
-        input_ids, attention_mask, cache = self._prefill(prompts, prefix_labels)
-        kwargs = self._generate_kwargs(settings, max_new_tokens)
-        if cache is not None:
-            kwargs["cache"] = cache  # generate feeds only the columns after the cache
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        with self.merged.swapped() if self.merged else nullcontext():  # LoRA: plain layers over merged weights
+            input_ids, attention_mask, cache = self._prefill(prompts, prefix_labels)
+            kwargs = self._generate_kwargs(settings, max_new_tokens)
+            if cache is not None:
+                kwargs["cache"] = cache  # generate feeds only the columns after the cache
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         new_ids = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, S]
         scale = settings.temperature if settings.temperature > 0 else 1.0
         token_logprobs = torch.stack(  # [B, S]; one step's [B, V] logits in fp32 at a time, never [B, S, V]

@@ -1,0 +1,191 @@
+"""Decode speed against the hardware: the weight-streaming floor, a bare decode step, our engine's decode step.
+
+    python benchmarks/decode.py                          # SmolLM2-135M-Instruct, bf16 and fp32, batch 8
+    python benchmarks/decode.py --threads 1 --lora_r 16  # also the engine over a LoRA model, merged and not
+    python benchmarks/decode.py --model tiny --steps 4 --repeats 1 --bandwidth_mib 64   # seconds
+
+Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prompt_tokens`` random tokens:
+
+* floor: the bytes of the weights (every parameter once: a tied embedding is read once, by the LM
+  head) over the memory read bandwidth measured here (the sum of a ``--bandwidth_mib`` fp32
+  tensor, best of 5, same threads): a decode step that only streamed its weights once.
+* bare: one ``model(input_ids [B, 1], cache=cache)`` with the KV cache of the prompt,
+  greedy next token; the median of ``--steps`` steps.
+* engine: ``RolloutEngine.generate`` (sampling at T=1, log-probs of the sampled tokens, generate's
+  per-token work): the time of ``--steps`` + 1 new tokens minus the time of 1 new token (same
+  prefill), over the decode forwards counted at the input embedding; median of ``--repeats``.
+* with ``--lora_r``: the engine over the same weights with LoRA adapters (alpha 2r, every linear
+  layer) sampling from merged weights (``merge_adapters``, the default) and through peft's layers.
+
+Ratios: bare / floor, engine / floor, engine / bare. Writes ``benchmarks/results/decode_<model>.json``
+with the machine (CPU flags included). Timings on a CPU other jobs share are not comparable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_utils as bu
+import torch
+
+from lightning_memrl import GenerationSettings, LoraSettings, RolloutEngine
+from lightning_memrl.models import load_policy, load_tokenizer
+
+LABELS = {
+    "weights_mib": "weights (MiB)",
+    "floor_ms": "weight-streaming floor (ms)",
+    "bare_ms": "bare `model(...)` decode step (ms)",
+    "engine_ms": "**our engine's decode step (ms)**",
+    "engine_lora_merged_ms": "engine, LoRA merged (ms)",
+    "engine_lora_unmerged_ms": "engine, LoRA through peft (ms)",
+    "bare_over_floor": "bare / floor",
+    "engine_over_floor": "engine / floor",
+    "engine_over_bare": "engine / bare",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="hub id, folder, or tiny")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated weight dtypes")
+    parser.add_argument("--batch", type=int, default=8, help="sequences decoded together")
+    parser.add_argument("--prompt_tokens", type=int, default=64, help="prompt length before decoding")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed")
+    parser.add_argument("--repeats", type=int, default=3, help="engine timings (median)")
+    parser.add_argument("--bandwidth_mib", type=int, default=512, help="size of the tensor summed for bandwidth")
+    parser.add_argument("--lora_r", type=int, default=0, help="also time the engine over LoRA (rank r); 0: not")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    args = parser.parse_args(argv)
+    if min(args.batch, args.prompt_tokens, args.steps, args.repeats, args.bandwidth_mib) < 1:
+        parser.error("--batch, --prompt_tokens, --steps, --repeats and --bandwidth_mib must be >= 1")
+    return args
+
+
+def read_bandwidth_gbs(mib: int) -> float:
+    """Memory read bandwidth in GB/s: bytes of a ``mib`` MiB fp32 tensor over the fastest of 5 sums."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # pages touched, threads started
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step streams: every parameter and buffer once (shared tensors counted once)."""
+    return round(bu.param_mib(model) * 2**20)
+
+
+@torch.no_grad()
+def bare_decode_ms(model: Any, prompts: torch.Tensor, steps: int) -> float:
+    """Median milliseconds of one ``model(...)`` decode step with the prompt's KV cache, greedy tokens."""
+    out = model(input_ids=prompts, use_cache=True)
+    cache, times = out.past_key_values, []
+    token = out.logits[:, -1:].argmax(-1)
+    for _ in range(steps + 1):  # the first step is warm-up
+        start = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+class DecodeCounter:
+    """Counts the forwards of one new position (decode steps) at a model's input embedding."""
+
+    def __init__(self, model: Any) -> None:
+        self.decodes = 0
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: Any, inputs: tuple) -> None:
+        self.decodes += int(inputs[0].shape[1] == 1)
+
+
+def engine_decode_ms(engine: RolloutEngine, prompts: list[list[int]], steps: int, repeats: int) -> float:
+    """Milliseconds per decode step of ``engine.generate``: (steps + 1 new tokens minus 1 new token) per decode."""
+    settings = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=steps + 1)
+    engine.generate(prompts, settings, max_new_tokens=2)  # warm-up
+    counter, per_step = DecodeCounter(engine.model), []
+    try:
+        for _ in range(repeats):
+            one = _timed(engine.generate, prompts, settings, max_new_tokens=1)
+            counter.decodes = 0
+            many = _timed(engine.generate, prompts, settings)
+            per_step.append((many - one) / max(counter.decodes, 1))
+    finally:
+        counter.handle.remove()
+    return statistics.median(per_step) * 1e3
+
+
+def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float) -> dict[str, Any]:
+    """The floor, the bare step and the engine's step (and its LoRA variants) for one weight dtype."""
+    tokenizer = load_tokenizer(path)
+    model = load_policy(path, tokenizer, dtype=dtype).eval()
+    model.config.use_cache = True
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompts = torch.randint(0, vocab, (args.batch, args.prompt_tokens), generator=generator)
+    torch.manual_seed(args.seed)
+    row = {"weights_mib": weight_bytes(model) / 2**20, "floor_ms": weight_bytes(model) / bandwidth * 1e3}
+    row["bare_ms"] = bare_decode_ms(model, prompts, args.steps)
+    row["engine_ms"] = engine_decode_ms(RolloutEngine(model, tokenizer), prompts.tolist(), args.steps, args.repeats)
+    del model
+    if args.lora_r:
+        lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r)
+        adapted = load_policy(path, tokenizer, dtype=dtype, lora=lora).eval()
+        adapted.config.use_cache = True
+        for merged in (True, False):
+            engine = RolloutEngine(adapted, tokenizer, merge_adapters=merged)
+            key = f"engine_lora_{'merged' if merged else 'unmerged'}_ms"
+            row[key] = engine_decode_ms(engine, prompts.tolist(), args.steps, args.repeats)
+            if merged:
+                row["lora_merged_mib"] = engine.merged.merged_mib
+    row["bare_over_floor"] = row["bare_ms"] / row["floor_ms"]
+    row["engine_over_floor"] = row["engine_ms"] / row["floor_ms"]
+    row["engine_over_bare"] = row["engine_ms"] / row["bare_ms"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    bu.set_threads(args.threads)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bandwidth = read_bandwidth_gbs(args.bandwidth_mib) * 1e9
+    with tempfile.TemporaryDirectory() as tmp:
+        path = bu.resolve_model(args.model, Path(tmp))
+        rows = {dtype: time_dtype(args, path, dtype, bandwidth) for dtype in dtypes}
+    command = "python benchmarks/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {
+        "command": command.strip(),
+        "machine": bu.machine(args.threads),
+        "model": args.model,
+        "work": {k: getattr(args, k) for k in ("batch", "prompt_tokens", "steps", "repeats", "lora_r", "seed")},
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_tensor_mib": args.bandwidth_mib,
+        "dtypes": rows,
+    }
+    out = bu.write_result(f"decode_{bu.model_tag(args.model)}", result)
+    print(
+        f"Decode on {args.model}: batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.steps} steps, "
+        f"{args.threads} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+    )
+    labels = {k: v for k, v in LABELS.items() if any(k in row for row in rows.values())}
+    table = [[label, *[rows[d].get(key, float("nan")) for d in dtypes]] for key, label in labels.items()]
+    print(bu.markdown_table(["", *dtypes], table))
+    print(f"\nwrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

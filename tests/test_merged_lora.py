@@ -1,0 +1,163 @@
+"""LoRA rollouts on merged weights: the adapted model's distribution, the plain model's layers.
+
+The engine swaps plain linear layers over merged copies ``W + scaling * B @ A`` in for peft's
+layers during ``generate`` and puts them back after: the sampled tokens' log-probs must equal the
+learner's under the adapters, follow every optimizer step, and leave the frozen base (which is also
+the reference) bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memrl import GenerationSettings, LoraSettings, MemRLModule
+from lightning_memrl.rollout.hf import RolloutEngine
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [15, 16, 17], [18, 19, 20, 21, 22]]
+SETTINGS = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
+
+
+def _module(target_modules: list[str] | str = "all-linear", dtype: str = "float32") -> MemRLModule:
+    module = MemRLModule(
+        "tiny",
+        dtype=dtype,
+        lora=LoraSettings(r=4, alpha=8, target_modules=target_modules),
+        share_prefixes=False,
+        generation=SETTINGS,
+    )
+    module.configure_model()
+    module.policy.eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # adapters that move the logits (peft starts B at zero)
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return module
+
+
+def _sample(module: MemRLModule, engine: RolloutEngine, seed: int = 0) -> tuple[list, torch.Tensor, float]:
+    """The engine's generations, the learner's log-probs of the same tokens, and their largest gap."""
+    torch.manual_seed(seed)
+    gens = engine.generate(PROMPTS, SETTINGS)
+    width = max(len(g.token_ids) for g in gens)
+    ids = torch.zeros(len(gens), width, dtype=torch.long)
+    mask = torch.zeros(len(gens), width, dtype=torch.long)
+    for row, g in enumerate(gens):
+        ids[row, : len(g.token_ids)] = torch.tensor(g.token_ids)
+        mask[row, : len(g.token_ids)] = 1
+    with torch.no_grad():
+        learner, _ = module.sequence_logprobs(module.policy, PROMPTS, ids, mask)
+    gap = max(float((learner[row, : len(g.token_ids)].float() - g.logprobs).abs().max()) for row, g in enumerate(gens))
+    return gens, learner, gap
+
+
+def _logits(module: MemRLModule) -> torch.Tensor:
+    with torch.no_grad():
+        return module.policy(input_ids=torch.tensor([PROMPTS[1]])).logits.float()
+
+
+class _Calls:
+    """Counts the forwards of every ``lora_A`` module (the adapters running through peft)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.count = 0
+        modules = [m for name, m in model.named_modules() if name.endswith("lora_A.default")]
+        self.handles = [m.register_forward_hook(lambda *_: self._add()) for m in modules]
+
+    def _add(self) -> None:
+        self.count += 1
+
+
+def test_merged_rollout_samples_the_adapted_model_without_running_adapters() -> None:
+    module = _module()
+    calls = _Calls(module.policy)
+    module.engine.generate(PROMPTS, SETTINGS)
+    assert calls.count == 0  # no peft layer ran: plain layers over merged weights
+    assert module.engine.merged.merged_mib == pytest.approx(2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 4 / 2**20)
+    _, _, gap = _sample(module, module.engine)
+    assert gap < 1e-5, f"merged rollout vs learner: {gap:.3g}"
+    unmerged = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, merge_adapters=False)
+    unmerged.generate(PROMPTS, SETTINGS)
+    assert calls.count > 0  # through peft's layers
+    _, _, gap_unmerged = _sample(module, unmerged)
+    assert gap_unmerged < 1e-5
+    with module.policy.disable_adapter():  # the adapters matter: the base gives other logits
+        base = _logits(module)
+    assert float((base - _logits(module)).abs().max()) > 1e-2
+
+
+def test_merged_weights_follow_every_optimizer_step() -> None:
+    module = _module()
+    adapters = [p for p in module.policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(adapters, lr=0.05)
+    gaps = []
+    for sync in (True, False):  # without the sync call the in-place change is still seen
+        _sample(module, module.engine)
+        before = _logits(module)
+        torch.stack([p.sum() for p in adapters]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if sync:
+            module.engine.sync_weights(module.policy)
+        gaps.append(_sample(module, module.engine)[2])
+        assert float((_logits(module) - before).abs().max()) > 1e-3  # the step changed the distribution
+    assert max(gaps) < 1e-5, f"merged rollout vs learner after a step: {gaps}"
+
+
+def test_rollouts_leave_the_base_and_the_reference_bit_identical() -> None:
+    module = _module()
+    policy = module.policy
+    layers = {name: m for name, m in policy.named_modules() if name.endswith(("q_proj", "down_proj"))}
+    base = {name: (p, p.detach().clone()) for name, p in policy.named_parameters() if "lora_" not in name}
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad(), policy.disable_adapter():
+        reference = policy(input_ids=ids).logits
+    for _ in range(2):
+        _sample(module, module.engine)
+        module.engine.sync_weights(policy)
+    module.engine.release_memory()
+    assert module.engine.merged.merged_mib == 0
+    after = dict(policy.named_parameters())
+    for name, (param, saved) in base.items():
+        assert after[name] is param and torch.equal(param, saved), name  # same object, same bits
+    assert {name: m for name, m in policy.named_modules() if name in layers} == layers  # peft layers back
+    with torch.no_grad(), policy.disable_adapter():
+        assert torch.equal(policy(input_ids=ids).logits, reference)
+
+
+def test_disabled_adapters_and_unmergeable_layers_keep_their_path() -> None:
+    module = _module(target_modules=["q_proj", "embed_tokens"])  # a LoRA embedding cannot be merged here
+    assert len(module.engine.merged.targets) == 2  # the two q_proj layers
+    _, _, gap = _sample(module, module.engine)
+    assert gap < 1e-5, f"q_proj merged, embedding adapter running: {gap:.3g}"
+    module.engine.release_memory()
+    with module.policy.disable_adapter():  # frozen agents, the reference: the base, nothing merged
+        _, _, gap = _sample(module, module.engine)
+        assert module.engine.merged.merged_mib == 0
+    assert gap < 1e-5
+
+
+def test_module_rollout_frees_the_merged_weights() -> None:
+    from lightning_memrl import MemRLDataModule, SyntheticTaskSettings
+
+    module = _module()
+    calls = _Calls(module.policy)
+    data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=2, sentences_per_chunk=1))
+    data.setup()
+    rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
+    assert rollouts.response_mask.sum() > 0 and calls.count == 0  # every turn sampled from merged weights
+    assert module.engine.merged.merged_mib == 0  # not held through the update
+
+
+def test_bf16_base_is_merged_only_when_asked() -> None:
+    module = _module(dtype="bfloat16")
+    calls = _Calls(module.policy)
+    module.engine.generate(PROMPTS, SETTINGS)  # default: not exact in bf16, so through peft
+    assert calls.count > 0 and not module.engine.merged
+    asked = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, merge_adapters=True)
+    calls.count = 0
+    asked.generate(PROMPTS, SETTINGS)
+    assert calls.count == 0 and asked.merged.merged_mib == pytest.approx(0.28125 / 2)  # bf16 copies
+    _, _, gap = _sample(module, asked)
+    assert gap < 0.05, f"merged bf16 weights: {gap:.3g}"  # bf16 rounding, not another model
