@@ -9,6 +9,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
+from lightning_memrl.export import main as export_main
 from lightning_memrl.module import MemRLModule
 from lightning_memrl.plot import main as plot_main
 
@@ -33,6 +34,9 @@ def main() -> None:
     """
     if len(sys.argv) > 1 and sys.argv[1] == "plot":
         plot_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "export":  # lightning-memrl export CKPT OUT [--merge]
+        export_main(sys.argv[2:])
         return
     try:
         build_cli()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib.util
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_memrl.adapters import adapter_base, check_adapter_loading, merge_adapter_folder
 from lightning_memrl.data.synthetic import synthetic_corpus
 from lightning_memrl.model_paths import TINY, missing_model_message, resolve_model_path
 
@@ -183,6 +185,9 @@ def load_tokenizer(name_or_path: str) -> Any:
         return build_tiny_tokenizer()
     from transformers import AutoTokenizer
 
+    base = adapter_base(name_or_path)
+    if base is not None and not (Path(name_or_path) / "tokenizer_config.json").is_file():
+        return load_tokenizer(base)  # an adapter folder without a tokenizer: its base's
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
     except OSError as err:
@@ -307,7 +312,7 @@ def load_policy(
     """Load the policy, optionally with LoRA adapters, 4-bit base weights and gradient checkpointing.
 
     Args:
-        name_or_path: hub id, local path, or ``tiny``.
+        name_or_path: hub id, local path (a saved model, or a LoRA adapter folder, merged into its base), or ``tiny``.
         tokenizer: the matching tokenizer (``tiny`` builds its vocabulary from it).
         dtype: ``auto`` (see :func:`resolve_dtype`), ``float32``, ``bfloat16`` or ``float16`` weights.
         attn_implementation: ``auto``, ``sdpa``, ``eager``, ``flash_attention_2``, ...
@@ -321,7 +326,11 @@ def load_policy(
     _check_quantization(name_or_path, lora, quantization, empty_weights)
     torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
     attn = resolve_attn_implementation(attn_implementation)
-    if name_or_path == TINY:
+    base = adapter_base(name_or_path)  # an exported LoRA adapter: its base with the adapter merged in
+    if base is not None:
+        check_adapter_loading(name_or_path, quantization, empty_weights)
+        model = merge_adapter_folder(name_or_path, load_policy(base, tokenizer, dtype, attn_implementation, seed=seed))
+    elif name_or_path == TINY:
         with torch.device("meta") if empty_weights else nullcontext():
             model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
         model.config._attn_implementation = attn
