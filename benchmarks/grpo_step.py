@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--precision", default="auto", help="our Lightning trainer precision: auto, 32-true, bf16-mixed, bf16-true"
     )
     parser.add_argument("--trl_precision", default="auto", choices=["auto", "bf16", "fp32"], help="TRL's precision")
-    parser.add_argument("--ours_kwargs", default="{}", help="JSON of extra MemRLModule arguments (rollout: {class_path, init_args})")
+    parser.add_argument("--ours_kwargs", default="{}", help="JSON of extra MemRLModule arguments (e.g. rollout)")
     parser.add_argument("--sides", default="ours,trl", help="comma-separated sides to run: ours, trl")
     parser.add_argument("--model_path", help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)

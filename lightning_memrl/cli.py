@@ -9,6 +9,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
+from lightning_memrl.export import main as export_main
 from lightning_memrl.module import MemRLModule
 from lightning_memrl.plot import main as plot_main
 from lightning_memrl.threads import configure_threads_at_start
@@ -36,6 +37,9 @@ def main() -> None:
         plot_main(sys.argv[2:])
         return
     configure_threads_at_start()  # torch CPU threads from the CPUs this process may use, unless OMP_NUM_THREADS is set
+    if len(sys.argv) > 1 and sys.argv[1] == "export":  # lightning-memrl export CKPT OUT [--merge]
+        export_main(sys.argv[2:])
+        return
     try:
         build_cli()
     except Exception as err:  # a user's data or config: the message names it; a traceback would bury it

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_memrl.adapter_files import adapter_base, check_adapter_loading, merge_adapter_folder
 from lightning_memrl.adapters import LoraSettings, add_lora
 from lightning_memrl.data.synthetic import synthetic_corpus
 from lightning_memrl.model_paths import TINY, hub_options, loading_errors
@@ -127,6 +129,9 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
         return build_tiny_tokenizer()
     from transformers import AutoTokenizer
 
+    base = adapter_base(name_or_path)
+    if base is not None and not (Path(name_or_path) / "tokenizer_config.json").is_file():
+        return load_tokenizer(base, revision, trust_remote_code)  # an adapter folder without a tokenizer: its base's
     with loading_errors(name_or_path):
         tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     if tokenizer.pad_token_id is None:
@@ -189,7 +194,7 @@ def load_policy(
     """Load the policy, optionally with LoRA adapters, quantised base weights and gradient checkpointing.
 
     Args:
-        name_or_path: hub id, local path, or ``tiny``.
+        name_or_path: hub id, local path (a saved model, or a LoRA adapter folder, merged into its base), or ``tiny``.
         tokenizer: the matching tokenizer (``tiny`` builds its vocabulary from it).
         dtype: ``auto`` (see :func:`resolve_dtype`), ``float32``, ``bfloat16`` or ``float16`` weights.
         attn_implementation: ``auto``, ``sdpa``, ``eager``, ``flash_attention_2``, ...
@@ -206,7 +211,20 @@ def load_policy(
     check_quantization(name_or_path, lora, quantization, empty_weights)
     torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
     attn = resolve_attn_implementation(attn_implementation)
-    if name_or_path == TINY:
+    base = adapter_base(name_or_path)  # an exported LoRA adapter: its base with the adapter merged in
+    if base is not None:
+        check_adapter_loading(name_or_path, quantization, empty_weights)
+        base_model = load_policy(
+            base,
+            tokenizer,
+            dtype,
+            attn_implementation,
+            seed=seed,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+        )
+        model = merge_adapter_folder(name_or_path, base_model)
+    elif name_or_path == TINY:
         with torch.device("meta") if empty_weights else nullcontext():
             model = build_tiny_model(tokenizer, seed=seed, dtype=torch_dtype)
         model.config._attn_implementation = attn

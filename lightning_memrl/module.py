@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_memrl import console, distributed, guards, learner
+from lightning_memrl import adapter_files, console, distributed, guards, learner
 from lightning_memrl.adapters import check_base_reference
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
@@ -30,6 +30,7 @@ from lightning_memrl.credit.dynamic_sampling import DynamicSampling
 from lightning_memrl.evaluation.report import EvaluationLog, step_metrics
 from lightning_memrl.evaluation.tables import log_step_completions
 from lightning_memrl.models import LoraSettings, QuantizationSettings, load_policy, load_tokenizer
+from lightning_memrl.predict import check_predict_workflow, predict_rows, prediction_writers
 from lightning_memrl.resume import ExactResume
 from lightning_memrl.rewards import ExactMatch, RewardFunction, check_answer_pattern
 from lightning_memrl.rollout.base import RolloutBackend, RolloutBackendFactory, check_backend
@@ -223,7 +224,7 @@ class MemRLModule(L.LightningModule):
         they may have been loaded from a checkpoint or moved to their device after it was built."""
         self.engine.sync_weights(self.policy)
 
-    on_validation_start = on_test_start = on_train_start
+    on_validation_start = on_test_start = on_predict_start = on_train_start
 
     # ------------------------------------------------------------------ (b) (c) (g) overridable steps
     def rollout(self, tasks: list[Task], settings: GenerationSettings) -> RolloutBatch:
@@ -330,6 +331,10 @@ class MemRLModule(L.LightningModule):
 
     test_step = validation_step
 
+    def predict_step(self, batch: list[Task], batch_idx: int) -> list[dict[str, Any]]:
+        """Greedy rollouts of unlabelled documents: one row per task (see ``lightning_memrl.predict``)."""
+        return predict_rows(self, batch)
+
     def on_validation_epoch_start(self) -> None:
         self._evaluation = EvaluationLog()
 
@@ -353,7 +358,8 @@ class MemRLModule(L.LightningModule):
         )
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``).
+        """RNG states in checkpoints, and a checkpoint and exit code 143 on SIGTERM (see ``lightning_memrl.resume``);
+        in ``predict``, a writer of ``predictions.jsonl`` unless the trainer has one.
 
         Also readies the console (:mod:`lightning_memrl.console`): INFO lines, the progress bar counting
         optimizer steps.
@@ -361,19 +367,23 @@ class MemRLModule(L.LightningModule):
         console.show_info_logs()
         console.quiet_known_noise()
         console.use_step_progress_bar(self.trainer)
-        return [ExactResume()]
+        return [ExactResume(), *prediction_writers(self.trainer)]
 
     def setup(self, stage: str) -> None:
+        if stage == "predict":
+            check_predict_workflow(self.workflow)
         if self.dynamic_sampling is not None and stage == "fit":
             self.dynamic_sampling.setup(self.trainer.datamodule)  # refill tasks come from its training tasks
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         guards.check_finite_checkpoint(checkpoint)  # a NaN checkpoint would replace the last good one
+        adapter_files.drop_frozen_base(self, checkpoint)  # LoRA: the adapters only; the base is re-loaded from its id
         checkpoint["memrl_workflow"] = self.workflow.state_dict()
         if self.dynamic_sampling is not None:
             checkpoint["memrl_dynamic_sampling"] = self.dynamic_sampling.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        adapter_files.restore_frozen_base(checkpoint, self, getattr(self._trainer, "ckpt_path", None))  # LoRA: the base
         self.workflow.load_state_dict(checkpoint.get("memrl_workflow", {}))
         if self.dynamic_sampling is not None:
             self.dynamic_sampling.load_state_dict(checkpoint.get("memrl_dynamic_sampling", {}))

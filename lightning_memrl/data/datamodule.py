@@ -80,6 +80,8 @@ class MemRLDataModule(L.LightningDataModule):
     Args:
         train_path: JSON/JSONL/Parquet file of training tasks; None uses ``locomo_path``, else ``synthetic``.
         val_path: file of validation tasks; None uses ``locomo_path``, else ``synthetic_val``.
+        predict_path: file of documents that ``lightning-memrl predict`` runs the agent on: rows of
+            ``question`` and ``context`` (``answers`` optional; when given, the predictions are scored).
         locomo_path: a LoCoMo JSON file or folder (see ``lightning_memrl.data.locomo``) used for the
             splits that have no ``train_path``/``val_path``.
         locomo: which LoCoMo questions train (categories, session and question caps, conversation ids).
@@ -104,6 +106,7 @@ class MemRLDataModule(L.LightningDataModule):
         self,
         train_path: str | None = None,
         val_path: str | None = None,
+        predict_path: str | None = None,
         field_map: dict[str, str] | None = None,
         locomo_path: str | None = None,
         locomo: LoCoMoSettings | None = None,
@@ -121,6 +124,7 @@ class MemRLDataModule(L.LightningDataModule):
         check_option("data.init_args.val_batch_size", val_batch_size, 1)
         check_option("data.init_args.num_workers", num_workers, 0)
         self.train_path, self.val_path, self.field_map = train_path, val_path, field_map
+        self.predict_path = predict_path
         self.locomo_path, self.locomo = locomo_path, locomo or LoCoMoSettings()
         self.locomo_val = locomo_val or self.locomo
         if locomo_val_conversations < 0:
@@ -137,9 +141,16 @@ class MemRLDataModule(L.LightningDataModule):
         self.num_workers, self.seed = num_workers, seed
         self.train_tasks: list[Task] = []
         self.val_tasks: list[Task] = []
+        self.predict_tasks: list[Task] = []
 
     def setup(self, stage: str | None = None) -> None:
-        """Load (and check) the tasks once; a fit that validates must validate on other tasks than it trains on."""
+        """Load (and check) the tasks once; a fit that validates must validate on other tasks than it trains on.
+
+        ``predict`` loads ``predict_path`` only.
+        """
+        if stage == "predict":
+            self.predict_tasks = self.predict_tasks or self._load_predict()
+            return
         if self.locomo_path and self.locomo_val_conversations and not (self.train_tasks or self.val_tasks):
             self.train_tasks, self.val_tasks = load_locomo_split(
                 self.locomo_path, self.locomo, self.locomo_val, self.locomo_val_conversations
@@ -186,5 +197,18 @@ class MemRLDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
+    def _load_predict(self) -> list[Task]:
+        if not self.predict_path:
+            raise ConfigError(
+                "lightning-memrl predict needs --data.init_args.predict_path FILE: a JSON, JSONL or Parquet file "
+                "of rows with question and context (answers optional)"
+            )
+        tasks = load_tasks(self.predict_path, self.field_map, require_answers=False)
+        log.info("tasks: %d to predict from %s", len(tasks), self.predict_path)
+        return tasks
+
     def predict_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        """``predict_path``'s documents in file order, ``val_batch_size`` at a time."""
+        return DataLoader(
+            self.predict_tasks, batch_size=self.val_batch_size, collate_fn=_collate, num_workers=self.num_workers
+        )

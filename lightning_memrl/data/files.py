@@ -152,8 +152,13 @@ def _answer_strings(answers: Any) -> tuple[list[str], str]:
     return texts, "" if texts else "got an empty list"
 
 
-def _check_row(row: Any, index: int, source: str, fields: dict[str, str], line: int | None = None) -> Task:
-    """Turn one raw row into a Task or raise an error naming the file, row (and line) and field."""
+def _check_row(
+    row: Any, index: int, source: str, fields: dict[str, str], line: int | None = None, require_answers: bool = True
+) -> Task:
+    """Turn one raw row into a Task or raise an error naming the file, row (and line) and field.
+
+    Without ``require_answers`` a row may leave ``answers`` out (or null, or ``[]``): its task has none.
+    """
     where = f"{source}: row {index}" + (f" (line {line})" if line is not None else "")
 
     def fail(key: str, problem: str, fix: str | None = None) -> DataError:
@@ -165,12 +170,15 @@ def _check_row(row: Any, index: int, source: str, fields: dict[str, str], line: 
             f"{where}: expected an object with fields {[fields[k] for k in ('question', 'context', 'answers')]}, "
             f"got a {type(row).__name__} {row!r:.60}"
         )
+    optional = () if require_answers else ("answers",)
     for key in ("question", "context", "answers"):
+        if key in optional and row.get(fields[key]) is None:
+            continue
         if fields[key] not in row:
             raise fail(key, "is missing" + _found_instead(row)[0], _found_instead(row)[1])
         if row[fields[key]] is None:
             raise fail(key, "is missing (null)")
-    question, context, answers = (row[fields[k]] for k in ("question", "context", "answers"))
+    question, context, answers = (row.get(fields[k]) for k in ("question", "context", "answers"))
     if not isinstance(question, str) or not question.strip():
         raise fail("question", f"must be a non-empty string, got {type(question).__name__} {question!r:.40}")
     if isinstance(context, str):
@@ -181,17 +189,18 @@ def _check_row(row: Any, index: int, source: str, fields: dict[str, str], line: 
             raise fail("context", "has only empty chunks")
     else:
         raise fail("context", "must be a string or a non-empty list of strings")
-    answers, problem = _answer_strings(answers)
+    given = answers is not None and (require_answers or answers != [])  # optional answers may be [] too
+    answers, problem = _answer_strings(answers) if given else ([], "")
     if problem:
         raise fail("answers", f"must be a string or a non-empty list of strings; {problem}", "Fix the row.")
-    if not any(a.strip() for a in answers):
+    if answers and not any(a.strip() for a in answers):
         raise fail("answers", "has only empty answers")
     raw_id = row.get(fields["id"])
     task_id = str(raw_id) if raw_id is not None else f"{Path(source).name}:{index}"
     return Task(question=question, context=context, answers=answers, id=task_id)
 
 
-def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> list[Task]:
+def load_tasks(path: str | Path, field_map: dict[str, str] | None = None, require_answers: bool = True) -> list[Task]:
     """Read tasks from a JSON, JSONL or Parquet file and check every row.
 
     A row needs ``question`` (a non-empty string), ``context`` (a string, or a list of chunk
@@ -203,6 +212,8 @@ def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> lis
     Args:
         path: the file.
         field_map: maps ``question``/``context``/``answers``/``id`` to the file's column names.
+        require_answers: False lets a row leave ``answers`` out or null (documents to predict on); answers
+            that are given are checked all the same.
 
     Raises:
         DataError: unreadable or empty file (naming the line of invalid UTF-8 or JSON), or a row
@@ -222,4 +233,4 @@ def load_tasks(path: str | Path, field_map: dict[str, str] | None = None) -> lis
     rows = [] if path.stat().st_size == 0 else read_parquet_rows(path) if suffix == ".parquet" else read_json_rows(path)
     if not rows:
         raise DataError(f"{path}: the file has no rows; it needs at least one task")
-    return [_check_row(row, i, str(path), fields, line) for i, (row, line) in enumerate(rows)]
+    return [_check_row(row, i, str(path), fields, line, require_answers) for i, (row, line) in enumerate(rows)]
