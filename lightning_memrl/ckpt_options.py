@@ -43,7 +43,7 @@ def _plain(value: Any) -> Any:
 
 
 def _short(option: str) -> str:
-    """``model.init_args.workflow.init_args.max_chunks`` -> ``workflow.max_chunks`` (``model.`` and ``init_args`` out)."""
+    """``model.init_args.workflow.init_args.max_chunks`` -> ``workflow.max_chunks``."""
     return ".".join(part for part in option.split(".")[1:] if part != "init_args")
 
 

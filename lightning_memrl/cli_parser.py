@@ -3,7 +3,8 @@
 
 - Loggers without ``save_dir`` and ``ModelCheckpoint`` without ``dirpath`` follow
   ``trainer.default_root_dir`` (:func:`lightning_memrl.run_outputs.fill_output_dirs`); a run that
-  fails before its first step leaves no empty ``version_N`` folder (:func:`~lightning_memrl.run_outputs.prune_failed_run`).
+  fails before its first step leaves no empty ``version_N`` folder
+  (:func:`~lightning_memrl.run_outputs.prune_failed_run`).
 - ``--ckpt_path`` with model options that differ from the checkpoint's: see :mod:`lightning_memrl.ckpt_options`.
 - Lightning's ``--optimizer``/``--lr_scheduler`` and ``trainer.gradient_clip_val``/``accumulate_grad_batches``
   stop with one message naming the option that does the job here.
@@ -46,7 +47,7 @@ REPLACED_TRAINER_OPTIONS = {
 
 
 def check_not_options(argv: list[str]) -> None:
-    """Raise :class:`ConfigError` for a command-line ``--optimizer``/``--lr_scheduler`` (also ``--optimizer.lr ...``)."""
+    """Raise :class:`ConfigError` for a command-line ``--optimizer``/``--lr_scheduler`` (or ``--optimizer.lr``...)."""
     for token in argv:
         name = str(token).split("=", 1)[0]
         for option, instead in NOT_OPTIONS.items():

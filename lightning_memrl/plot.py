@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         type=Path,
         nargs="+",
         help="run folders (a logger's version_N) whose metrics.csv and eval_report*.json are plotted; several are "
-        "merged by step (e.g. a run and its resumed continuation); a folder above several runs is merged with a warning",
+        "merged by step (e.g. a run and its resumed continuation); so is a folder above several runs, with a warning",
     )
     parser.add_argument(
         "--reports",

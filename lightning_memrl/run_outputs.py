@@ -70,7 +70,7 @@ def fill_output_dirs(trainer: Namespace) -> dict[str, str]:
 
 
 def last_checkpoint(trainer: Namespace) -> Path | None:
-    """The newest ``last*.ckpt`` file in the ``ModelCheckpoint`` folders of ``trainer``: what ``--ckpt_path last`` loads."""
+    """The newest ``last*.ckpt`` in the ``ModelCheckpoint`` folders of ``trainer``: what ``--ckpt_path last`` loads."""
     folders = [
         Path(spec.init_args.dirpath)
         for spec in _as_list(trainer.get("callbacks"))

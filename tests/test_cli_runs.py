@@ -30,8 +30,8 @@ def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def run_elsewhere(tmp_path_factory) -> tuple[Path, Path]:
-    """One step of the tiny config with ``--trainer.default_root_dir``: (working directory, root given)."""
+def run_elsewhere(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """One step of the tiny config with ``--trainer.default_root_dir``: (working directory, root given, last.ckpt)."""
     work = tmp_path_factory.mktemp("work")
     root = tmp_path_factory.mktemp("elsewhere") / "run"
     with pytest.MonkeyPatch.context() as patch:
@@ -39,11 +39,12 @@ def run_elsewhere(tmp_path_factory) -> tuple[Path, Path]:
         args = ["fit", "--config", TINY, *ONE_STEP, "--trainer.default_root_dir", str(root)]
         patch.setattr(sys, "argv", ["lightning-memrl", *args])
         cli.main()
-    return work, root
+    (ckpt,) = [*root.glob("**/last.ckpt"), *work.glob("**/last.ckpt")]  # the ckpt_path tests need it wherever it is
+    return work, root, ckpt
 
 
 def test_default_root_dir_moves_logs_and_checkpoints(run_elsewhere):
-    work, root = run_elsewhere
+    work, root, _ = run_elsewhere
     assert not (work / "logs").exists()  # configs/memagent/tiny.yaml's default_root_dir (logs/tiny) is replaced
     (metrics,) = (root / "csv").glob("version_*/metrics.csv")
     assert "train/reward" in metrics.read_text()
@@ -65,9 +66,8 @@ def test_failed_run_leaves_no_version_folder(tmp_path, monkeypatch, capsys):
 
 
 def test_ckpt_path_applies_a_workflow_option_with_a_warning(run_elsewhere, tmp_path, monkeypatch, capsys):
-    _, root = run_elsewhere
     monkeypatch.chdir(tmp_path)
-    args = ["validate", "--config", TINY, "--ckpt_path", str(root / "checkpoints" / "last.ckpt")]
+    args = ["validate", "--config", TINY, "--ckpt_path", str(run_elsewhere[2])]
     args += ["--model.init_args.workflow.init_args.max_chunks", "1", "--trainer.limit_val_batches", "1"]
     args += ["--data.init_args.val_batch_size", "2", "--trainer.default_root_dir", str(tmp_path / "val")]
     with pytest.warns(UserWarning, match=r"workflow\.init_args\.max_chunks=1 \(checkpoint: 4\)"):
@@ -79,18 +79,18 @@ def test_ckpt_path_applies_a_workflow_option_with_a_warning(run_elsewhere, tmp_p
 
 
 def test_ckpt_path_refuses_options_that_change_the_weights(run_elsewhere, tmp_path, monkeypatch, capsys):
-    _, root = run_elsewhere
+    _, _, ckpt = run_elsewhere
     monkeypatch.chdir(tmp_path)
-    args = ["fit", "--config", TINY, "--ckpt_path", str(root / "checkpoints" / "last.ckpt"), *ONE_STEP]
+    args = ["fit", "--config", TINY, "--ckpt_path", str(ckpt), *ONE_STEP]
     args += ["--model.init_args.lora", "{r: 4, alpha: 8}", "--model.init_args.dtype", "bfloat16"]
     code, _, err = _main(monkeypatch, capsys, *args)
     assert code == 2
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert "model.init_args.lora (checkpoint: None" in line and "model.init_args.dtype (checkpoint: 'float32'" in line
     assert not (tmp_path / "logs").exists()
-    last = ["fit", "--config", TINY, "--ckpt_path", "last", "--trainer.default_root_dir", str(root), *ONE_STEP]
+    last = ["fit", "--config", TINY, "--ckpt_path", "last", "--trainer.default_root_dir", str(ckpt.parents[1])]
     code, _, err = _main(monkeypatch, capsys, *last, "--model.init_args.lora", "{r: 4}")
-    assert code == 2 and "--ckpt_path " + str(root / "checkpoints" / "last.ckpt") in err and "lora" in err
+    assert code == 2 and f"--ckpt_path {ckpt}:" in err and "model.init_args.lora (checkpoint: None" in err
 
 
 def test_options_restored_on_resume_are_refused_by_fit_only():
