@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from lightning.pytorch.cli import LightningCLI
-
+from lightning_memrl.cli_parser import MemRLCLI
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
 from lightning_memrl.export import main as export_main
@@ -15,10 +14,10 @@ from lightning_memrl.plot import main as plot_main
 from lightning_memrl.threads import configure_threads_at_start
 
 
-def build_cli(args: list[str] | None = None) -> LightningCLI:
+def build_cli(args: list[str] | None = None) -> MemRLCLI:
     """Parse ``args`` (default: ``sys.argv``) and run the chosen subcommand; returns the CLI."""
     warnings.filterwarnings("ignore", message=r".*jsonargparse.*deprecat.*", category=DeprecationWarning)
-    return LightningCLI(
+    return MemRLCLI(
         MemRLModule,
         MemRLDataModule,
         subclass_mode_model=True,

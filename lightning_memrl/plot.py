@@ -1,10 +1,10 @@
-"""``lightning-memrl plot LOG_DIR``: PNG learning curves and a before/after evaluation chart."""
+"""``lightning-memrl plot RUN [RUN ...]``: PNG learning curves and a before/after evaluation chart."""
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
+import sys
 from pathlib import Path
 
 # One panel each: the first metric of the panel that was logged is drawn (no KL without a reference).
@@ -16,19 +16,49 @@ CURVES = [
 ]
 
 
-def read_metrics(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """All ``metrics.csv`` under ``log_dir`` merged into ``key -> [(step, value)]``."""
+def metrics_files(runs: list[Path]) -> list[Path]:
+    """The ``metrics.csv`` of each run folder in ``runs`` (searched recursively), newest last.
+
+    A folder that holds several runs' files (e.g. ``logs/tiny``, above ``csv/version_0``, ``csv/version_1``)
+    gets a warning on stderr naming them, since their curves are merged by step.
+    """
+    files: list[Path] = []
+    for run in runs:
+        found = sorted(run.glob("**/metrics.csv"), key=lambda p: (p.stat().st_mtime, str(p)))
+        if not found:
+            raise FileNotFoundError(f"{run}: no metrics.csv below it; pass the folder a CSVLogger wrote to")
+        if len(found) > 1:
+            names = ", ".join(str(p.parent.relative_to(run)) for p in found)
+            print(
+                f"warning: {run} holds the metrics.csv of {len(found)} runs ({names}); merging their curves by step. "
+                f"Plot one run with `lightning-memrl plot {found[-1].parent}` (the newest), or name the runs to merge.",
+                file=sys.stderr,
+            )
+        files += found
+    return files
+
+
+def read_metrics(files: list[Path]) -> dict[str, list[tuple[int, float]]]:
+    """The ``metrics.csv`` ``files`` merged into ``key -> [(step, value)]``, sorted; empty cells are skipped."""
+    import pandas as pd
+
     series: dict[str, list[tuple[int, float]]] = {}
-    files = sorted(log_dir.glob("**/metrics.csv"))
-    if not files:
-        raise FileNotFoundError(f"{log_dir}: no metrics.csv below it; pass the folder a CSVLogger wrote to")
     for path in files:
-        with open(path) as handle:
-            for row in csv.DictReader(handle):
-                for key, value in row.items():
-                    if key not in ("step", "epoch") and value not in ("", None):
-                        series.setdefault(key, []).append((int(row["step"]), float(value)))
-    return {k: sorted(v) for k, v in series.items()}
+        if path.stat().st_size == 0:  # created, never written
+            continue
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)  # "" is a metric not logged at that step
+        for key in frame.columns:
+            if key not in ("step", "epoch"):
+                logged = frame[frame[key] != ""]
+                series.setdefault(key, []).extend(zip(logged["step"].astype(int), logged[key].astype(float)))
+    return {k: sorted((int(s), float(v)) for s, v in points) for k, points in series.items()}
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean of the last ``window`` values (fewer at the start); NaN values are left out of the mean."""
+    import pandas as pd
+
+    return pd.Series(values, dtype=float).rolling(window, min_periods=1).mean().tolist()
 
 
 def panel_metric(panel: list[tuple[str, str]], series: dict[str, list[tuple[int, float]]]) -> tuple[str, str]:
@@ -65,11 +95,7 @@ def plot_learning_curves(
             steps, values = zip(*points)
             ax.plot(steps, values, color="tab:blue", alpha=0.35, label="per step")
             window = max(1, len(values) // 10)
-            smooth = [
-                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-                for i in range(len(values))
-            ]
-            ax.plot(steps, smooth, color="tab:blue", label=f"mean of {window}")
+            ax.plot(steps, smooth(list(values), window), color="tab:blue", label=f"mean of {window}")
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, f"{key} not logged", ha="center", va="center", transform=ax.transAxes)
@@ -117,21 +143,30 @@ def plot_evaluation(reports: list[dict], labels: list[str], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> list[Path]:
     """Write ``learning_curves.png`` and, when evaluation reports exist, ``evaluation.png``."""
     parser = argparse.ArgumentParser(prog="lightning-memrl plot", description=__doc__)
-    parser.add_argument("log_dir", type=Path, help="folder holding metrics.csv files (searched recursively)")
+    parser.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        help="run folders (a logger's version_N) whose metrics.csv and eval_report*.json are plotted; several are "
+        "merged by step (e.g. a run and its resumed continuation); so is a folder above several runs, with a warning",
+    )
     parser.add_argument(
         "--reports",
         type=Path,
         nargs="*",
         default=None,
-        help="eval_report*.json files to compare (default: the first and last found in log_dir)",
+        help="eval_report*.json files to compare (default: the first and last found in the runs)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: log_dir)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the first run folder)")
     args = parser.parse_args(argv)
-    out_dir = args.out or args.log_dir
+    out_dir = args.out or args.runs[0]
     out_dir.mkdir(parents=True, exist_ok=True)
-    found = sorted(args.log_dir.glob("**/eval_report*.json"), key=lambda p: p.stat().st_mtime)
+    found = sorted(
+        {p for run in args.runs for p in run.glob("**/eval_report*.json")}, key=lambda p: (p.stat().st_mtime, str(p))
+    )
     evaluations = evaluation_points([json.loads(p.read_text()) for p in found])
-    written = [plot_learning_curves(read_metrics(args.log_dir), out_dir / "learning_curves.png", evaluations)]
+    series = read_metrics(metrics_files(args.runs))
+    written = [plot_learning_curves(series, out_dir / "learning_curves.png", evaluations)]
     report_files = args.reports
     if report_files is None:
         found = sorted(found, key=lambda p: json.loads(p.read_text())["step"])
