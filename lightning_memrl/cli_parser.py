@@ -25,6 +25,7 @@ from lightning_memrl.errors import ConfigError
 # commands that ``lightning-memrl`` runs itself, before the parser; listed in ``--help`` next to the Trainer's
 EXTRA_COMMANDS = {
     "plot": "PNG learning curves and a before/after evaluation chart of run folders (plot --help).",
+    "export": "a checkpoint as a Hugging Face folder: LoRA adapters, or the merged/full model (export --help).",
 }
 # Lightning's top-level options that a GRPO run does not use -> what to set instead
 NOT_OPTIONS = {
