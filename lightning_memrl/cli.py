@@ -5,20 +5,21 @@ from __future__ import annotations
 import sys
 import warnings
 
+import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_memrl.data.datamodule import MemRLDataModule
+import lightning_memrl  # noqa: F401  (registers MemRLModule, MemRLDataModule and the SFT stage's classes)
+import lightning_memrl.sft  # noqa: F401
 from lightning_memrl.errors import find_user_error
-from lightning_memrl.module import MemRLModule
 from lightning_memrl.plot import main as plot_main
 
 
 def build_cli(args: list[str] | None = None) -> LightningCLI:
     """Parse ``args`` (default: ``sys.argv``) and run the chosen subcommand; returns the CLI."""
     warnings.filterwarnings("ignore", message=r".*jsonargparse.*deprecat.*", category=DeprecationWarning)
-    return LightningCLI(
-        MemRLModule,
-        MemRLDataModule,
+    return LightningCLI(  # any LightningModule: MemRLModule (GRPO) or lightning_memrl.sft.MemorySFTModule
+        L.LightningModule,
+        L.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
