@@ -67,3 +67,29 @@ def test_bad_observation_row_names_the_field(tmp_path):
     data["session_2_observation"]["Ben"][0] = ["a fact without its turn"]
     with pytest.raises(DataError, match=r"session_2_observation\['Ben'\]\[0\]: expected \[fact, dia_id"):
         load_locomo(write_locomo(tmp_path, conversation=data))
+
+
+def test_valid_operation_rate_counts_parseable_applicable_operations(tmp_path):
+    from scripted_engine import ScriptedEngine
+
+    from lightning_memrl.models import build_tiny_tokenizer
+    from lightning_memrl.sft.evaluate import valid_operation_rate
+
+    def reply(prompt: str) -> str:
+        if "New fact (2:00 pm on 9 May, 2023): Ben moved to Lisbon." in prompt:
+            return '{"op": "ADD", "text": "Ben lives in Lisbon."}'  # valid, the target's operation
+        if "Ben started learning the Violin." in prompt:
+            return "UPDATE m1: Ben plays the violin."  # valid (m1 is shown), not the target's NOOP
+        if "Miso broke a vase" in prompt:
+            return '{"op": "DELETE", "id": "m7"}'  # m7 was not shown: not applicable
+        return "I think this is a nice fact."  # no operation
+
+    workflow = MemoryR1Workflow()
+    examples, _ = build_sft_examples(workflow, load_locomo(write_locomo(tmp_path)))
+    engine = ScriptedEngine(build_tiny_tokenizer(), reply)
+    result = valid_operation_rate(workflow, engine, examples)
+    assert (result["facts"], result["valid"], result["agree"]) == (6, 2, 1)
+    assert result["rate"] == 2 / 6
+    assert result["ops"] == {"ADD": 1, "UPDATE": 1}
+    assert result["problems"] == {"no operation found": 3, "unknown memory id": 1}
+    assert all(t == 0 for _, t in engine.calls)  # greedy

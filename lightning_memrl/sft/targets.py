@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.memory.bank import MemoryBank
@@ -46,6 +47,7 @@ class SFTExample:
     target: str
     system_prompt: str | None = None
     source: str = ""  # where it comes from, e.g. "conv-26 D1:3" (for logs and tests)
+    meta: dict[str, Any] = field(default_factory=dict)  # manage: the fact and the ids of the memories shown
 
 
 def _norm(text: str) -> str:
@@ -106,7 +108,8 @@ def _bank_examples(
             shown = [e for e, _ in bank.retrieve(fact, workflow.manager_top_k)]
             target = manager_target(fact, [e.text for e in shown])
             prompt = workflow.manage_prompt(bank, shown, fact, segment)
-            manage.append(SFTExample("manage", prompt, target, system, f"{conversation.id} {sources[0]}"))
+            meta = {"fact": fact, "shown_ids": [e.id for e in shown]}
+            manage.append(SFTExample("manage", prompt, target, system, f"{conversation.id} {sources[0]}", meta))
             jobs.append((target, {e.id for e in shown}, fact, sources))
         for target, shown_ids, fact, sources in jobs:
             parsed = parse_memory_operation(target, shown_ids, fact)  # the RL stage's parser and bank rules
