@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from locomo_fixture import write_locomo
 
-from lightning_memrl.models import build_tiny_tokenizer
+from lightning_memrl.adapters import LoraSettings
+from lightning_memrl.models import build_tiny_tokenizer, load_policy
 from lightning_memrl.sft.module import IGNORE_INDEX, collate, completion_loss, tokenize_example
 from lightning_memrl.sft.targets import SFTExample
 from lightning_memrl.workflows.base import encode_chat_prompt
@@ -75,3 +76,8 @@ def test_sft_fit_through_the_cli_lowers_the_loss_and_saves_the_adapter(tmp_path)
     adapter = tmp_path / "logs/memory_r1_sft/adapter"
     assert (adapter / "adapter_config.json").is_file()
     assert any(adapter.glob("adapter_model.*"))
+    # the GRPO stage starts from it: model.init_args.lora.adapter_name_or_path (LoRA B starts at 0; SFT moved it)
+    policy = load_policy("tiny", build_tiny_tokenizer(), lora=LoraSettings(adapter_name_or_path=str(adapter)))
+    trained_b = [p for n, p in policy.named_parameters() if "lora_B" in n]
+    assert trained_b and all(p.requires_grad for p in trained_b)
+    assert max(float(p.abs().max()) for p in trained_b) > 1e-4
