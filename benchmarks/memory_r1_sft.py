@@ -32,7 +32,7 @@ from lightning_memrl.sft.evaluate import valid_operation_rate  # noqa: E402
 from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow  # noqa: E402
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--locomo", required=True, help="LoCoMo JSON file or folder (with session_N_observation)")
     p.add_argument("--train", nargs="+", required=True, help="training conversation ids")
@@ -46,7 +46,27 @@ def main() -> None:
     p.add_argument("--parts", nargs="+", default=["manage"], help="agents trained: extract manage answer")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/memory_r1_sft_<model>.json)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def _sft(module: MemorySFTModule, data: MemorySFTDataModule, steps: int) -> tuple[float, float]:
+    """Train ``module`` for ``steps`` optimizer steps; returns the seconds taken and the last loss."""
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    module.policy.eval()
+    return time.perf_counter() - start, float(trainer.callback_metrics.get("train/loss", float("nan")))
+
+
+def main() -> None:
+    args = _args()
     set_threads(args.threads)
     L.seed_everything(0)
     workflow = MemoryR1Workflow(max_facts=3, manager_top_k=3, answer_top_k=8)  # configs/memory_r1/locomo.yaml
@@ -67,18 +87,7 @@ def main() -> None:
         args.parts,
         args.batch_size,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
-    start = time.perf_counter()
-    trainer.fit(module, data)
-    train_s = time.perf_counter() - start
-    module.policy.eval()
+    train_s, final_loss = _sft(module, data, args.steps)
     after = valid_operation_rate(workflow, RolloutEngine(module.policy, module.tokenizer), examples)
     print(f"after {args.steps} SFT steps: {after['valid']}/{after['facts']} valid ({after['rate']:.0%})", flush=True)
     result = {
@@ -91,7 +100,7 @@ def main() -> None:
         "parts": args.parts,
         "max_sessions": args.max_sessions,
         "train_examples": len(data.examples),
-        "final_train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        "final_train_loss": final_loss,
         "before": before,
         "after": after,
         "eval_seconds_before": round(eval_s, 1),
