@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 import warnings
 
+import lightning as L
+
+import lightning_memrl  # noqa: F401  (registers MemRLModule, MemRLDataModule)
+import lightning_memrl.sft  # noqa: F401  (registers the warm-start stage's classes)
 from lightning_memrl.cli_parser import MemRLCLI
-from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.errors import find_user_error
 from lightning_memrl.export import main as export_main
-from lightning_memrl.module import MemRLModule
 from lightning_memrl.plot import main as plot_main
 from lightning_memrl.threads import configure_threads_at_start
 
@@ -17,9 +19,9 @@ from lightning_memrl.threads import configure_threads_at_start
 def build_cli(args: list[str] | None = None) -> MemRLCLI:
     """Parse ``args`` (default: ``sys.argv``) and run the chosen subcommand; returns the CLI."""
     warnings.filterwarnings("ignore", message=r".*jsonargparse.*deprecat.*", category=DeprecationWarning)
-    return MemRLCLI(
-        MemRLModule,
-        MemRLDataModule,
+    return MemRLCLI(  # any LightningModule: MemRLModule (GRPO) or lightning_memrl.sft.MemorySFTModule
+        L.LightningModule,
+        L.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def locomo_conversation() -> dict[str, Any]:
-    """Two speakers, three sessions, five questions (one of category 5)."""
+    """Two speakers, three sessions with annotated facts and summaries, five questions (one of category 5)."""
     return {
         "speaker_a": "Ana",
         "speaker_b": "Ben",
@@ -27,6 +27,22 @@ def locomo_conversation() -> dict[str, Any]:
             {"speaker": "Ben", "dia_id": "D3:1", "text": "My violin teacher is called Rosa."},
         ],
         "events_session_1": {"Ana": ["Ana adopts a cat."], "Ben": [], "date": "3 May, 2023"},
+        # LoCoMo's annotated facts per session: {speaker: [[fact, dia_id or list of dia_ids], ...]}
+        "session_1_observation": {
+            "Ana": [["Ana adopted a cat named Miso.", "D1:1"]],
+            "Ben": [["Ben started learning the violin.", "D1:2"]],
+        },
+        "session_2_observation": {
+            "Ana": [["Ana's cat Miso broke a vase.", "D2:1"]],
+            "Ben": [["Ben moved to Lisbon.", "D2:2"], ["Ben started  learning the Violin.", "D2:2"]],
+        },
+        "session_3_observation": {
+            "Ben": [["Ben's violin teacher is Rosa.", ["D3:1", "D1:2"]]],
+            "Ana": [["Ana likes green tea.", "D9:9"]],
+        },
+        "session_1_summary": "Ana adopted a cat, Miso; Ben started the violin.",
+        "session_2_summary": "Miso broke a vase; Ben moved to Lisbon.",
+        "session_3_summary": "Ben's violin teacher is Rosa.",
         "qa": [
             {"question": "What is the name of Ana's cat?", "answer": "Miso", "evidence": ["D1:1"], "category": 4},
             {"question": "Where did Ben move?", "answer": "Lisbon", "evidence": ["D2:2"], "category": 4},

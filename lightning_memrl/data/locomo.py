@@ -59,6 +59,8 @@ class Session:
     index: int  # N of session_N
     date_time: str
     turns: list[DialogTurn] = field(default_factory=list)
+    # LoCoMo's annotated facts of the session (``session_N_observation``): (fact, evidence dia_ids) in file order
+    observations: list[tuple[str, list[str]]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -119,6 +121,21 @@ def session_of(dia_id: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _observations(raw: Any, where: str) -> list[tuple[str, list[str]]]:
+    """A session's annotated facts ``{speaker: [[fact, dia_id or list], ...]}`` as (fact, dia_ids); absent: []."""
+    if raw is None:
+        return []
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected an object {{speaker: [[fact, dia_id], ...]}}")
+    out = []
+    for speaker, rows in raw.items():
+        for i, row in enumerate(rows if isinstance(rows, list) else [None]):
+            if not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str):
+                raise DataError(f"{where}[{speaker!r}][{i}]: expected [fact, dia_id or list of dia_ids], got {row!r}")
+            out.append((" ".join(row[0].split()), normalize_evidence(row[1])))
+    return out
+
+
 def _parse_conversation(obj: Any, conv_id: str, source: str) -> Conversation:
     if not isinstance(obj, dict):
         raise DataError(f"{source}: expected a JSON object with speaker_a, speaker_b and session_N keys")
@@ -146,7 +163,8 @@ def _parse_conversation(obj: Any, conv_id: str, source: str) -> Conversation:
                 DialogTurn(turn["dia_id"].strip(), turn["speaker"], turn["text"], turn.get("blip_caption") or "")
             )
         date = obj.get(f"{key}_date_time", "")
-        sessions.append(Session(n, str(date), turns))
+        observations = _observations(obj.get(f"{key}_observation"), f"{source}: {key}_observation")
+        sessions.append(Session(n, str(date), turns, observations))
     return Conversation(conv_id, obj["speaker_a"], obj["speaker_b"], sessions)
 
 

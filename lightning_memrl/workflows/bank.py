@@ -259,6 +259,12 @@ class BankWorkflow(Workflow):
         self.answer(engine, trajectories, banks, settings)
         return trajectories
 
+    def answer_prompt(self, question: str, conversation: Conversation, memories: str) -> str:
+        """The answer agent's prompt: ``question`` about ``conversation`` with the rendered ``memories``."""
+        return self.answer_template.format(
+            memories=memories, question=question, speaker_a=conversation.speaker_a, speaker_b=conversation.speaker_b
+        )
+
     def answer(
         self,
         engine: RolloutBackend,
@@ -274,15 +280,7 @@ class BankWorkflow(Workflow):
         training = settings.temperature > 0
         texts = []
         for trajectory, memories in zip(trajectories, self.show_memories(trajectories, banks, training)):
-            conversation = conversation_of(trajectory.task)
-            texts.append(
-                self.answer_template.format(
-                    memories=memories,
-                    question=trajectory.task.question,
-                    speaker_a=conversation.speaker_a,
-                    speaker_b=conversation.speaker_b,
-                )
-            )
+            texts.append(self.answer_prompt(trajectory.task.question, conversation_of(trajectory.task), memories))
         trainable = self.answer_is_trained()
         gen_settings = settings if trainable or not training else settings.greedy()
         answerer = self.engine_for(engine, trainable)  # not trained: the frozen model, never the policy

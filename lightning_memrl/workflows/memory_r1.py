@@ -31,7 +31,7 @@ from typing import Any
 
 from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
-from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, MemoryOp
+from lightning_memrl.memory.bank import MemoryBank, MemoryBankError, MemoryEntry, MemoryOp
 from lightning_memrl.memory.operations import parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
@@ -143,6 +143,19 @@ class MemoryR1Workflow(BankWorkflow):
     def max_response_tokens(self, settings: GenerationSettings) -> int:
         return max(settings.max_new_tokens, self.manage_max_tokens, self.extract_max_tokens)
 
+    # ------------------------------------------------------------------ prompts
+    def extract_prompt(self, segment: Segment) -> str:
+        """The extractor's prompt for one segment."""
+        return self.extract_template.format(
+            date=segment.session.date_time, dialogue=segment.text, max_facts=self.max_facts
+        )
+
+    def manage_prompt(self, bank: MemoryBank, shown: list[MemoryEntry], fact: str, segment: Segment) -> str:
+        """The manager's prompt for ``fact``, showing the ``shown`` entries of ``bank``."""
+        return self.manage_template.format(
+            memories=bank.format(shown, empty="(none)"), fact=fact, date=segment.session.date_time
+        )
+
     # ------------------------------------------------------------------ extraction
     def extract(
         self, engine: RolloutBackend, conversations: list[Conversation], settings: GenerationSettings, trainable: bool
@@ -155,10 +168,7 @@ class MemoryR1Workflow(BankWorkflow):
         todo = conversations if trainable else [c for c in {c.id: c for c in conversations}.values()]
         todo = [c for c in todo if trainable or c.id not in self._facts_cache]
         jobs = [(i, seg) for i, c in enumerate(todo) for seg in self.segments(c)]
-        texts = [
-            self.extract_template.format(date=seg.session.date_time, dialogue=seg.text, max_facts=self.max_facts)
-            for _, seg in jobs
-        ]
+        texts = [self.extract_prompt(seg) for _, seg in jobs]
         gen_settings = settings if trainable else settings.greedy()
         engine = self.engine_for(engine, self.train_extractor)
         if todo and not trainable:
@@ -200,13 +210,7 @@ class MemoryR1Workflow(BankWorkflow):
                 for fact, sources in facts[slot][r]:
                     shown = [e for e, _ in banks[slot].retrieve(fact, self.manager_top_k)]
                     jobs.append((slot, segment, fact, sources, {e.id for e in shown}))
-                    texts.append(
-                        self.manage_template.format(
-                            memories=banks[slot].format(shown, empty="(none)"),
-                            fact=fact,
-                            date=segment.session.date_time,
-                        )
-                    )
+                    texts.append(self.manage_prompt(banks[slot], shown, fact, segment))
             counts["facts"] += len(jobs)
             outputs = self.generate_turns(
                 manager, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable

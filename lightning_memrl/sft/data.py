@@ -1,0 +1,57 @@
+"""The Memory-SFT stage's data: Memory-R1 targets built from LoCoMo annotations (see :mod:`.targets`)."""
+
+from __future__ import annotations
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
+from lightning_memrl.errors import DataError
+from lightning_memrl.sft.targets import PARTS, SFTExample, build_sft_examples
+from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
+
+
+def _as_list(examples: list[SFTExample]) -> list[SFTExample]:
+    return examples
+
+
+class MemorySFTDataModule(L.LightningDataModule):
+    """Supervised examples for the extractor, manager and answer agent of Memory-R1.
+
+    Args:
+        locomo_path: a LoCoMo JSON file or a folder of them (with ``session_N_observation`` annotations).
+        locomo: which conversations and questions to use (``conversations`` lists the training ones:
+            leave the held-apart conversation out).
+        workflow: the Memory-R1 workflow of the GRPO stage (its prompts, segments, caps and retriever).
+        parts: agents to train: any of ``extract``, ``manage``, ``answer``.
+        batch_size: examples per optimizer step.
+        shuffle: shuffle the examples every epoch (seeded by ``seed_everything``).
+    """
+
+    def __init__(
+        self,
+        locomo_path: str,
+        locomo: LoCoMoSettings | None = None,
+        workflow: MemoryR1Workflow | None = None,
+        parts: list[str] | None = None,
+        batch_size: int = 4,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.init_args.batch_size must be >= 1, got {batch_size}")
+        self.locomo_path, self.locomo = locomo_path, locomo or LoCoMoSettings()
+        self.workflow = workflow or MemoryR1Workflow()
+        self.parts = list(parts) if parts is not None else list(PARTS)
+        self.batch_size, self.shuffle = batch_size, shuffle
+        self.examples: list[SFTExample] = []
+
+    def setup(self, stage: str) -> None:
+        if self.examples:
+            return
+        self.examples, _ = build_sft_examples(self.workflow, load_locomo(self.locomo_path, self.locomo), self.parts)
+        if not self.examples:
+            raise DataError(f"{self.locomo_path}: no SFT example for parts {self.parts}; check data.init_args.parts")
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.examples, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=_as_list)
