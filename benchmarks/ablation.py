@@ -55,6 +55,7 @@ CREDIT_ARMS = [
 ARMS = ["base", "grpo", *CREDIT_ARMS]
 LISTS = (("trainer", "callbacks"), ("model", "init_args", "rewards"))  # the lists an overlay may set
 CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
+FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".parquet")
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -73,8 +74,10 @@ def _merge(base: Any, over: Any, where: str, source: str) -> Any:
             out[key] = _merge(base.get(key), value, f"{where}.{key}" if where else key, source)
         return out
     if isinstance(over, list):
-        raise SystemExit(f"{source}: sets the list {where}, which replaces the base config's list; only "
-                         f"{', '.join('.'.join(p) for p in LISTS)} are composed. Set it in the base config.")
+        raise SystemExit(
+            f"{source}: sets the list {where}, which replaces the base config's list; only "
+            f"{', '.join('.'.join(p) for p in LISTS)} are composed. Set it in the base config."
+        )
     return copy.deepcopy(over)
 
 
@@ -130,10 +133,27 @@ def compose_arm(base: dict, overlay: dict | None, tiny: dict, source: str) -> tu
     return config, notes
 
 
-def run_cli(args: list[str], cwd: Path) -> float:
-    """Run the CLI (``examples/`` importable for the overlays' classes); return its wall time."""
+def run_cli(args: list[str], cwd: Path, in_process: bool = False) -> float:
+    """Run the CLI (``examples/`` importable for the overlays' classes); return its wall time.
+
+    ``in_process`` runs it in this process (no interpreter start-up: the quick check of the script);
+    the default, a subprocess per run, keeps every arm's memory and threads apart.
+    """
+    if in_process:
+        from lightning_memrl.cli import build_cli
+
+        start, here = time.perf_counter(), Path.cwd()
+        if str(ROOT / "examples") not in sys.path:
+            sys.path.insert(0, str(ROOT / "examples"))
+        os.chdir(cwd)
+        try:
+            build_cli(args)
+        finally:
+            os.chdir(here)
+        return time.perf_counter() - start
     exe = shutil.which("lightning-memrl") or str(Path(sys.executable).with_name("lightning-memrl"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))}
+    paths = [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     start = time.perf_counter()
     subprocess.run([exe, *args], cwd=cwd, check=True, env=env)
     return time.perf_counter() - start
@@ -153,17 +173,20 @@ def _csv_mean(path: Path | None, column: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def run_arm(arm: str, seed: int, config: dict, steps: int | None, extra: list[str], out: Path) -> dict:
+def run_arm(
+    arm: str, seed: int, config: dict, steps: int | None, extra: list[str], out: Path, in_process: bool
+) -> dict:
     """Train (unless ``base``) and validate one arm; write its files under ``out``; return its result."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     work = Path(tempfile.mkdtemp(prefix=f"memrl-ablation-{arm}-"))
     common = ["--config", str(out / "config.yaml"), "--seed_everything", str(seed), *extra]
     if arm == "base":
-        wall = run_cli(["validate", *common], work)
+        wall = run_cli(["validate", *common], work, in_process)
     else:
         n = steps or config["trainer"]["max_steps"]
-        wall = run_cli(["fit", *common, "--trainer.max_steps", str(n), "--trainer.val_check_interval", str(n)], work)
+        steps_args = ["--trainer.max_steps", str(n), "--trainer.val_check_interval", str(n)]
+        wall = run_cli(["fit", *common, *steps_args], work, in_process)
     report, predictions = _newest_report(work)
     metrics = max(work.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime, default=None)
     rows = [json.loads(line) for line in predictions.read_text().splitlines() if line.strip()]
@@ -188,6 +211,22 @@ def run_arm(arm: str, seed: int, config: dict, steps: int | None, extra: list[st
     return result
 
 
+def _seed_mean(runs: list[dict], section: str, key: str) -> float:
+    return statistics.fmean(r[section][key]["exact_match"] for r in runs if key in r.get(section, {}))
+
+
+def _absolute_paths(tree: Any, folder: Path) -> Any:
+    """File options (``lora: ../shared/x.yaml``) made absolute: the composed config is saved elsewhere."""
+    if isinstance(tree, dict):
+        return {k: _absolute_paths(v, folder) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_absolute_paths(v, folder) for v in tree]
+    if isinstance(tree, str) and tree.endswith(FILE_SUFFIXES) and not Path(tree).is_absolute():
+        if (folder / tree).is_file():
+            return str((folder / tree).resolve())
+    return tree
+
+
 def summarise(results: list[dict], out: Path) -> dict:
     """Per arm: held-out EM mean and seed spread, EM by answer position; the two plots."""
     arms: dict[str, Any] = {}
@@ -195,19 +234,14 @@ def summarise(results: list[dict], out: Path) -> dict:
         runs = [r for r in results if r["arm"] == arm]
         ems = [r["overall"]["exact_match"] for r in runs]
         positions = sorted({p for r in runs for p in r.get("by_answer_position", {})}, key=int)
+        hops = sorted({h for r in runs for h in r.get("by_hops", {})})
         arms[arm] = {
             "seeds": [r["seed"] for r in runs],
             "exact_match": statistics.fmean(ems),
             "exact_match_min": min(ems),
             "exact_match_max": max(ems),
-            "by_answer_position": {
-                p: statistics.fmean(r["by_answer_position"][p]["exact_match"] for r in runs if p in r.get("by_answer_position", {}))
-                for p in positions
-            },
-            "by_hops": {
-                h: statistics.fmean(r["by_hops"][h]["exact_match"] for r in runs if h in r.get("by_hops", {}))
-                for h in sorted({h for r in runs for h in r.get("by_hops", {})})
-            },
+            "by_answer_position": {p: _seed_mean(runs, "by_answer_position", p) for p in positions},
+            "by_hops": {h: _seed_mean(runs, "by_hops", h) for h in hops},
             "eval_memory_words": statistics.fmean(r["eval_memory_words"] for r in runs),
             "step_time_s": next((r["step_time_s"] for r in runs if r["step_time_s"] is not None), None),
         }
@@ -254,11 +288,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", default="configs/memagent/multichunk.yaml", help="the base config of every arm")
     parser.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS, help="arms to run (default: all)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="seed_everything of each run")
-    parser.add_argument("--max_steps", type=int, default=None, help="training steps of every arm (default: the config's)")
+    parser.add_argument("--max_steps", type=int, default=None, help="training steps of every arm (default: config's)")
     parser.add_argument("--val_tasks", type=int, default=None, help="override the number of held-out tasks")
     parser.add_argument("--out", type=Path, default=OUT, help="results folder")
+    parser.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
     args, extra = parser.parse_known_args(argv)  # the rest (e.g. --model.optimizer.lr=2e-4) goes to every run
-    base = yaml.safe_load(Path(args.config).read_text())
+    base = _absolute_paths(yaml.safe_load(Path(args.config).read_text()), Path(args.config).resolve().parent)
     tiny = yaml.safe_load(TINY.read_text())
     if args.val_tasks:
         extra = [*extra, "--data.synthetic_val.num_tasks", str(args.val_tasks)]
@@ -275,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
             if (out / "result.json").is_file():
                 print(f"{arm} seed {seed}: done before, skipped ({out / 'result.json'})")
             else:
-                run_arm(arm, seed, configs[arm], args.max_steps, extra, out)
+                run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process)
             results.append(json.loads((out / "result.json").read_text()))
     summary = summarise(results, args.out)
     print(json.dumps({a: round(100 * s["exact_match"], 1) for a, s in summary["arms"].items()}, indent=2))

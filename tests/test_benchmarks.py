@@ -82,7 +82,8 @@ def test_ablation_composes_overlays_without_dropping_the_base_rewards(bench):
     callbacks = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
     assert callbacks == ["ModelCheckpoint", "BoundedReward", "HindsightMemoryCredit"]  # no tiny OverlongPenalty
     assert config["trainer"]["callbacks"][0] == base["trainer"]["callbacks"][0]  # the base checkpoint folder
-    info, notes = ablation.compose_arm(base, yaml.safe_load((ablation.CREDIT / "info_gain.yaml").read_text()), tiny, "x")
+    info_gain = yaml.safe_load((ablation.CREDIT / "info_gain.yaml").read_text())
+    info, notes = ablation.compose_arm(base, info_gain, tiny, "x")
     assert info["trainer"]["callbacks"][1]["init_args"]["answer_pattern"] == r"\b\d{4}\b" and notes
     with pytest.raises(SystemExit, match=r"bad.yaml: sets the list model.init_args.generation.stop_strings"):
         ablation.compose_arm(base, {"model": {"init_args": {"generation": {"stop_strings": ["x"]}}}}, tiny, "bad.yaml")
@@ -92,7 +93,7 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     ablation = importlib.import_module("ablation")
     monkeypatch.chdir(BENCHMARKS.parent)
     argv = ["--config", "configs/memagent/tiny.yaml", "--arms", "base", "grpo", "--max_steps", "1"]
-    argv += ["--val_tasks", "4", "--out", str(tmp_path)]
+    argv += ["--val_tasks", "4", "--out", str(tmp_path), "--in_process"]
     summary = ablation.main(argv)
     assert set(summary["arms"]) == {"base", "grpo"}
     for arm in ("base", "grpo"):

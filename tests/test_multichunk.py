@@ -51,8 +51,11 @@ def test_distinct_hop_chunks_put_the_two_facts_in_different_chunks():
         assert bridge != code_chunk and sorted([bridge, code_chunk]) == task.meta["evidence_chunks"]
         assert f"is {task.answers[0]}." in task.context[code_chunk]
     # the default (random) lets both facts share a chunk in some tasks
-    same = [t for t in generate_synthetic_tasks(SyntheticTaskSettings(num_tasks=60, hops=2, seed=4))
-            if len(set(t.meta["evidence_chunks"])) == 1]
+    same = [
+        t
+        for t in generate_synthetic_tasks(SyntheticTaskSettings(num_tasks=60, hops=2, seed=4))
+        if len(set(t.meta["evidence_chunks"])) == 1
+    ]
     assert same
 
 

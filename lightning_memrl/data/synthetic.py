@@ -100,7 +100,8 @@ def _check(config: SyntheticTaskSettings) -> None:
     if config.hops not in (1, 2):
         raise DataError(f"synthetic: hops must be 1 or 2, got {config.hops}")
     if config.distractor_placement not in ("random", "spread"):
-        raise DataError(f"synthetic: distractor_placement must be random or spread, got {config.distractor_placement!r}")
+        placement = config.distractor_placement
+        raise DataError(f"synthetic: distractor_placement must be random or spread, got {placement!r}")
     if config.hop_chunks not in ("random", "distinct"):
         raise DataError(f"synthetic: hop_chunks must be random or distinct, got {config.hop_chunks!r}")
     share = config.two_hop_share

@@ -16,7 +16,6 @@ from lightning_memrl.evaluation.metrics import bleu1
 from lightning_memrl.rewards import answer_from_completion, exact_match, token_f1
 from lightning_memrl.types import RolloutBatch, Trajectory
 
-
 # extras that group tasks rather than being averaged: the key in the extras -> the section of the report
 GROUPINGS = {"category": "by_category", "answer_position": "by_answer_position", "hops": "by_hops"}
 
