@@ -55,6 +55,7 @@ CREDIT_ARMS = [
 ARMS = ["base", "grpo", *CREDIT_ARMS]
 LISTS = (("trainer", "callbacks"), ("model", "init_args", "rewards"))  # the lists an overlay may set
 CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
+SECTIONS = ("by_num_chunks", "by_answer_position", "by_hops")  # the report's groupings a result keeps
 FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".parquet")
 
 
@@ -200,7 +201,7 @@ def run_arm(
         "seed": seed,
         "steps": report["step"],
         "overall": report["overall"],
-        **{k: report[k] for k in ("by_num_chunks", "by_answer_position", "by_hops") if k in report},
+        **{k: report[k] for k in SECTIONS if k in report},
         "eval_memory_words": statistics.fmean(memories) if memories else 0.0,
         "train_memory_tokens": _csv_mean(metrics if arm != "base" else None, "train/memory_length"),
         "step_time_s": _csv_mean(metrics if arm != "base" else None, "time/step_s"),
@@ -211,8 +212,10 @@ def run_arm(
     return result
 
 
-def _seed_mean(runs: list[dict], section: str, key: str) -> float:
-    return statistics.fmean(r[section][key]["exact_match"] for r in runs if key in r.get(section, {}))
+def _seed_means(runs: list[dict], section: str) -> dict[str, float]:
+    """Exact match of each group of ``section`` (e.g. each answer position), averaged over the seeds."""
+    keys = sorted({k for r in runs for k in r.get(section, {})}, key=lambda k: (len(k), k))  # "2" before "10"
+    return {k: statistics.fmean(r[section][k]["exact_match"] for r in runs if k in r.get(section, {})) for k in keys}
 
 
 def _absolute_paths(tree: Any, folder: Path) -> Any:
@@ -233,17 +236,15 @@ def summarise(results: list[dict], out: Path) -> dict:
     for arm in dict.fromkeys(r["arm"] for r in results):
         runs = [r for r in results if r["arm"] == arm]
         ems = [r["overall"]["exact_match"] for r in runs]
-        positions = sorted({p for r in runs for p in r.get("by_answer_position", {})}, key=int)
-        hops = sorted({h for r in runs for h in r.get("by_hops", {})})
+        times = [r["step_time_s"] for r in runs if r["step_time_s"]]
         arms[arm] = {
             "seeds": [r["seed"] for r in runs],
             "exact_match": statistics.fmean(ems),
             "exact_match_min": min(ems),
             "exact_match_max": max(ems),
-            "by_answer_position": {p: _seed_mean(runs, "by_answer_position", p) for p in positions},
-            "by_hops": {h: _seed_mean(runs, "by_hops", h) for h in hops},
+            **{section: _seed_means(runs, section) for section in SECTIONS},
             "eval_memory_words": statistics.fmean(r["eval_memory_words"] for r in runs),
-            "step_time_s": next((r["step_time_s"] for r in runs if r["step_time_s"] is not None), None),
+            "step_time_s": statistics.fmean(times) if times else None,
         }
     summary = {"arms": arms, "runs": len(results)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -96,6 +96,9 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     argv += ["--val_tasks", "4", "--out", str(tmp_path), "--in_process"]
     summary = ablation.main(argv)
     assert set(summary["arms"]) == {"base", "grpo"}
+    saved = json.loads((tmp_path / "summary.json").read_text())["arms"]["grpo"]
+    assert saved["exact_match_min"] <= saved["exact_match"] <= saved["exact_match_max"] and saved["seeds"] == [0]
+    assert saved["by_answer_position"] and saved["by_num_chunks"] and saved["step_time_s"] > 0
     for arm in ("base", "grpo"):
         result = json.loads((tmp_path / f"{arm}_seed0" / "result.json").read_text())
         assert result["overall"]["tasks"] == 4 and "by_answer_position" in result and "by_num_chunks" in result
