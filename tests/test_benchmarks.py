@@ -86,3 +86,49 @@ def test_decode_reports_floor_bare_and_engine_steps_per_dtype(bench, monkeypatch
             assert math.isfinite(row[key]), key
         assert row["engine_over_bare"] == pytest.approx(row["engine_ms"] / row["bare_ms"])
         assert row["lora_merged_mib"] > 0
+
+
+def test_ablation_composes_overlays_without_dropping_the_base_rewards(bench):
+    import yaml
+
+    ablation = importlib.import_module("ablation")
+    root = BENCHMARKS.parent
+    base = yaml.safe_load((root / "configs" / "memagent" / "multichunk.yaml").read_text())
+    tiny = yaml.safe_load(ablation.TINY.read_text())
+    stack = yaml.safe_load((ablation.CREDIT / "stack_of_three.yaml").read_text())
+    config, _ = ablation.compose_arm(base, stack, tiny, "stack_of_three.yaml")
+    rewards = config["model"]["init_args"]["rewards"]
+    assert rewards[:2] == base["model"]["init_args"]["rewards"]  # the multichunk rewards stay, bare_answer too
+    assert rewards[2]["class_path"].endswith("CompressionReward") and len(rewards) == 3
+    callbacks = [c["class_path"].rsplit(".", 1)[1] for c in config["trainer"]["callbacks"]]
+    assert callbacks == ["ModelCheckpoint", "BoundedReward", "HindsightMemoryCredit"]  # no tiny OverlongPenalty
+    assert config["trainer"]["callbacks"][0] == base["trainer"]["callbacks"][0]  # the base checkpoint folder
+    info_gain = yaml.safe_load((ablation.CREDIT / "info_gain.yaml").read_text())
+    info, notes = ablation.compose_arm(base, info_gain, tiny, "x")
+    assert info["trainer"]["callbacks"][1]["init_args"]["answer_pattern"] == r"\b\d{4}\b" and notes
+    with pytest.raises(SystemExit, match=r"bad.yaml: sets the list model.init_args.generation.stop_strings"):
+        ablation.compose_arm(base, {"model": {"init_args": {"generation": {"stop_strings": ["x"]}}}}, tiny, "bad.yaml")
+
+
+def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeypatch):
+    ablation = importlib.import_module("ablation")
+    monkeypatch.chdir(BENCHMARKS.parent)
+    argv = ["--config", "configs/memagent/tiny.yaml", "--arms", "base", "grpo", "--max_steps", "1"]
+    argv += ["--val_tasks", "4", "--out", str(tmp_path), "--in_process"]
+    summary = ablation.main(argv)
+    assert set(summary["arms"]) == {"base", "grpo"}
+    saved = json.loads((tmp_path / "summary.json").read_text())["arms"]["grpo"]
+    assert saved["exact_match_min"] <= saved["exact_match"] <= saved["exact_match_max"] and saved["seeds"] == [0]
+    assert saved["by_answer_position"] and saved["by_num_chunks"] and saved["step_time_s"] > 0
+    for arm in ("base", "grpo"):
+        result = json.loads((tmp_path / f"{arm}_seed0" / "result.json").read_text())
+        assert result["overall"]["tasks"] == 4 and "by_answer_position" in result and "by_num_chunks" in result
+        rows = (tmp_path / f"{arm}_seed0" / "predictions.jsonl").read_text().splitlines()
+        assert len(rows) == 4 and all("memories" in json.loads(r) for r in rows)
+    assert result["steps"] == 1 and result["step_time_s"] > 0  # the grpo arm trained one step
+    assert (tmp_path / "grpo_seed0" / "metrics.csv").is_file()
+    assert (tmp_path / "ablation_em.png").stat().st_size > 0 and (tmp_path / "retention.png").stat().st_size > 0
+    calls = []
+    monkeypatch.setattr(ablation, "run_cli", lambda *a: calls.append(a))
+    again = ablation.main(argv)
+    assert calls == [] and again["arms"] == summary["arms"]  # finished arms are skipped, not rerun

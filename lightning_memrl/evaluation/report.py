@@ -18,18 +18,23 @@ from lightning_memrl.evaluation.tables import log_evaluation_report
 from lightning_memrl.rewards import answer_from_completion, exact_match, token_f1
 from lightning_memrl.types import RolloutBatch, Trajectory
 
+# extras that group tasks rather than being averaged: the key in the extras -> the section of the report
+GROUPINGS = {"category": "by_category", "answer_position": "by_answer_position", "hops": "by_hops"}
+
 
 def evaluation_report(records: list[tuple], **info: Any) -> dict[str, Any]:
-    """Exact match, F1 and extra metrics overall, by number of chunks and (when tasks have one) by category.
+    """Exact match, F1 and extra metrics overall, by number of chunks and (when tasks have them) by the groupings.
 
     A record is ``(chunks, em, f1)`` or ``(chunks, em, f1, extras)``; ``extras`` maps metric names to
-    numbers (None: not measured for that task, left out of its mean) and may hold ``category``.
+    numbers (None: not measured for that task, left out of its mean) and may hold the grouping keys of
+    :data:`GROUPINGS`: ``category``, ``answer_position`` (1 = the first chunk held the answer: the retention
+    curve) and ``hops``; each present one adds its section (``by_category``, ``by_answer_position``, ``by_hops``).
     """
 
     def extras(r: tuple) -> dict[str, Any]:
         return r[3] if len(r) > 3 else {}
 
-    names = list(dict.fromkeys(k for r in records for k in extras(r) if k != "category"))
+    names = list(dict.fromkeys(k for r in records for k in extras(r) if k not in GROUPINGS))
 
     def summary(rows: list[tuple]) -> dict[str, float]:
         out = {
@@ -45,11 +50,10 @@ def evaluation_report(records: list[tuple], **info: Any) -> dict[str, Any]:
 
     by_chunks = {str(n): summary([r for r in records if r[0] == n]) for n in sorted({r[0] for r in records})}
     report = {**info, "overall": summary(records), "by_num_chunks": by_chunks}
-    categories = sorted({extras(r).get("category") for r in records} - {None}, key=str)
-    if categories:
-        report["by_category"] = {
-            str(c): summary([r for r in records if extras(r).get("category") == c]) for c in categories
-        }
+    for key, section in GROUPINGS.items():
+        values = sorted({extras(r).get(key) for r in records} - {None}, key=lambda v: (str(type(v)), v))
+        if values:
+            report[section] = {str(v): summary([r for r in records if extras(r).get(key) == v]) for v in values}
     return report
 
 
@@ -72,8 +76,9 @@ def format_report(report: dict[str, Any]) -> str:
     samples = f", {report['samples_per_task']:g} samples per task" if "samples_per_task" in report else ""
     lines = [f"Evaluation at step {report.get('step', '?')} ({report.get('model', '')}{samples})"]
     lines += table(report.get("unit", "chunks"), report["by_num_chunks"])
-    if "by_category" in report:
-        lines += table("category", report["by_category"])
+    for title, section in (("category", "by_category"), ("position", "by_answer_position"), ("hops", "by_hops")):
+        if section in report:
+            lines += table(title, report[section])
     return "\n".join(lines)
 
 
@@ -203,8 +208,11 @@ class EvaluationLog:
         answers = trajectory.task.answers
         em, f1 = exact_match(answer, answers), token_f1(answer, answers)
         self.bleu1_scores.append(bleu1(answer, answers))
-        self.unit = trajectory.task.meta.get("context_unit", self.unit)
-        extras = {"category": trajectory.task.meta.get("category"), "bleu1": self.bleu1_scores[-1]}
+        meta = trajectory.task.meta
+        self.unit = meta.get("context_unit", self.unit)
+        extras = {"category": meta.get("category"), "bleu1": self.bleu1_scores[-1], "hops": meta.get("hops")}
+        if "answer_chunk" in meta:  # synthetic tasks: the 1-based position of the chunk stating the answer
+            extras["answer_position"] = meta["answer_chunk"] + 1
         extras.update(workflow.evaluation_metrics(trajectory))
         self.records.append((len(trajectory.chunks), em, f1, extras))
         self.predictions.append(prediction_row(trajectory, answer, em))
