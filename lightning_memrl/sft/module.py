@@ -75,7 +75,8 @@ class MemorySFTModule(L.LightningModule):
         gradient_checkpointing: recompute activations in backward.
         max_length: most tokens of prompt + completion (longer prompts lose their start; counted, logged).
         optimizer: AdamW and its schedule.
-        output_dir: where ``fit`` saves the adapter (with LoRA) or the model and tokenizer; None: not saved.
+        output_dir: where ``fit`` saves the adapter (with LoRA) or the model and tokenizer; a relative path
+            is under ``trainer.default_root_dir``; None: not saved.
     """
 
     def __init__(
@@ -140,8 +141,9 @@ class MemorySFTModule(L.LightningModule):
         """Save the adapter (LoRA) or the model and tokenizer to ``output_dir`` for the GRPO stage."""
         if self.output_dir is None or not self.trainer.is_global_zero:
             return
-        Path(self.output_dir).mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(self.output_dir)
+        out = Path(self.trainer.default_root_dir) / self.output_dir  # an absolute output_dir stays as it is
+        out.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(out)
         if self.lora is None:
-            self.tokenizer.save_pretrained(self.output_dir)
-        log.info("SFT: %s saved to %s", "LoRA adapter" if self.lora else "model and tokenizer", self.output_dir)
+            self.tokenizer.save_pretrained(out)
+        log.info("SFT: %s saved to %s", "LoRA adapter" if self.lora else "model and tokenizer", out)
