@@ -132,4 +132,5 @@ def test_optimizer_in_a_config_file_names_the_replacement(tmp_path, monkeypatch,
 def test_help_lists_plot(monkeypatch, capsys):
     code, out, _ = _main(monkeypatch, capsys, "--help")
     assert code == 0
-    assert "{fit,validate,test,predict,plot}" in out and "PNG learning curves" in out
+    assert "{fit,validate,test,predict,plot,export}" in out and "PNG learning curves" in out
+    assert "a checkpoint as a Hugging Face folder" in out
