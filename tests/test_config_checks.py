@@ -82,25 +82,38 @@ def test_find_user_error_walks_the_chain():
 
 
 def test_every_shipped_config_passes_the_checks(tmp_path, monkeypatch):
-    """configs/*.yaml instantiate (model and data) with the checks in place."""
-    from lightning.pytorch.cli import LightningCLI
+    """configs/*/*.yaml instantiate (model and data) with the checks in place, as `lightning-memrl` parses them."""
+    import lightning as L
+
+    from lightning_memrl.cli_parser import MemRLCLI
+    from lightning_memrl.sft import MemorySFTModule
 
     monkeypatch.chdir(tmp_path)
     configs = sorted(p for p in (REPO / "configs").glob("*/*.yaml") if p.parent.name not in ("strategies", "shared"))
-    assert len(configs) >= 5
+    assert len(configs) >= 7
     cpu = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.logger=false"]
+    kinds = set()
     for config in configs:
         args = ["--config", str(config), *cpu, "--trainer.precision=32-true"]
-        cli = LightningCLI(
-            MemRLModule,
-            MemRLDataModule,
+        if "sft" in config.name:  # the warm-start stage's data needs its LoCoMo path (read at setup)
+            args.append(f"--data.init_args.locomo_path={tmp_path}")
+        cli = MemRLCLI(
+            L.LightningModule,  # the command's bases: any class_path (GRPO or the warm-start stage)
+            L.LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
             run=False,
             args=args,
             save_config_callback=None,
         )
-        assert cli.model.grpo.group_size >= 2 and cli.datamodule.batch_size >= 1, config.name
+        if isinstance(cli.model, MemorySFTModule):
+            kinds.add("sft")
+            assert cli.datamodule.batch_size >= 1, config.name
+        else:
+            kinds.add("grpo")
+            assert isinstance(cli.model, MemRLModule) and isinstance(cli.datamodule, MemRLDataModule), config.name
+            assert cli.model.grpo.group_size >= 2 and cli.datamodule.batch_size >= 1, config.name
+    assert kinds == {"grpo", "sft"}
 
 
 @pytest.mark.parametrize(
