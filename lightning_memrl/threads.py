@@ -11,7 +11,9 @@ takes the smallest of:
 * the CPUs this process may run on (``os.sched_getaffinity``: ``taskset``, a container's cpuset);
 * the cgroup CPU quota, rounded down (``docker --cpus``, Kubernetes CPU limits);
 * the physical cores among those CPUs (a second hyperthread of a core adds little to a matrix product);
-* the CPUs the 1-minute load average leaves free (CPUs of the machine minus the load, rounded),
+* the CPUs that other work leaves free: the machine's CPUs minus those busy, rounded, measured from
+  ``/proc/stat`` over a quarter of a second at start (not the 1-minute load average, which still
+  counts a command that just ended: ``make train``'s ``validate`` would halve the ``fit`` after it),
 
 and never fewer than 1. ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``) set by the user wins: torch
 reads it itself and nothing here runs. With several processes per machine (DDP) Lightning's
@@ -23,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +43,9 @@ class CpuFacts:
         usable: CPUs this process may run on.
         quota: the cgroup's CPU quota in CPUs; None when unlimited.
         physical_cores: physical cores among the usable CPUs.
-        online: CPUs of the machine, the scale of the load average.
-        load: the 1-minute load average.
+        online: CPUs of the machine, the scale of ``load``.
+        load: CPUs busy with other work (measured at start; the 1-minute load average where
+            ``/proc/stat`` is missing).
     """
 
     usable: int
@@ -62,7 +66,7 @@ def choose_num_threads(facts: CpuFacts) -> tuple[int, str]:
         free = max(1, math.floor(facts.online - facts.load + 0.5))
         if free < count:
             count = free
-            why += f"; the load average {facts.load:.2f} on {facts.online} CPUs leaves {free} free"
+            why += f"; {facts.load:.2f} of {facts.online} CPUs busy with other work leave {free} free"
     return count, why
 
 
@@ -109,11 +113,35 @@ def read_cpu_facts() -> CpuFacts:
         _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
         _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
     )
-    try:
-        load: float | None = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        load = None
+    load = busy_cpus(os.cpu_count() or 1)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (OSError, AttributeError):
+            load = None
     return CpuFacts(len(cpus), quota, _physical_cores(cpus), os.cpu_count(), load)
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(all, idle + iowait) jiffies of the machine from ``/proc/stat``; None where it is unreadable."""
+    line = (_read("/proc/stat") or "").split("\n")[0].split()
+    if len(line) < 6 or line[0] != "cpu":
+        return None
+    ticks = [int(t) for t in line[1:]]
+    return sum(ticks[:8]), ticks[3] + ticks[4]  # user nice system idle iowait irq softirq steal
+
+
+def busy_cpus(online: int, interval: float = 0.25) -> float | None:
+    """CPUs busy over the next ``interval`` seconds (this process sleeps meanwhile), or None."""
+    first = _cpu_times()
+    if first is None:
+        return None
+    time.sleep(interval)
+    second = _cpu_times()
+    if second is None or second[0] <= first[0]:
+        return None
+    busy = 1.0 - (second[1] - first[1]) / (second[0] - first[0])
+    return max(0.0, busy) * online
 
 
 def configure_threads(environ: Mapping[str, str] | None = None, facts: CpuFacts | None = None) -> str:

@@ -18,11 +18,15 @@ from lightning_memrl.threads import CpuFacts, choose_num_threads, configure_thre
         (CpuFacts(usable=64, quota=2.5), 2, "a CPU quota of 2.5 CPUs"),  # docker --cpus 2.5 on a big host
         (CpuFacts(usable=8, quota=0.5), 1, "a CPU quota of 0.5 CPUs"),  # never fewer than 1
         (CpuFacts(usable=16, physical_cores=8), 8, "8 physical cores among 16 usable CPUs"),  # hyperthreads
-        (CpuFacts(usable=2, physical_cores=2, online=2, load=1.3), 1, "leaves 1 free"),  # another job runs
+        (CpuFacts(usable=2, physical_cores=2, online=2, load=1.3), 1, "leave 1 free"),  # another job runs
         (CpuFacts(usable=2, physical_cores=2, online=2, load=0.3), 2, "2 usable CPUs"),  # about idle
-        (CpuFacts(usable=2, online=2, load=7.0), 1, "the load average 7.00 on 2 CPUs leaves 1 free"),
+        (CpuFacts(usable=2, online=2, load=7.0), 1, "7.00 of 2 CPUs busy with other work leave 1 free"),
         (CpuFacts(usable=4, physical_cores=4, online=64, load=30.0), 4, "4 usable CPUs"),  # taskset, busy host
-        (CpuFacts(usable=8, quota=6.0, online=8, load=4.2), 4, "a CPU quota of 6 CPUs; the load average 4.20"),
+        (
+            CpuFacts(usable=8, quota=6.0, online=8, load=4.2),
+            4,
+            "a CPU quota of 6 CPUs; 4.20 of 8 CPUs busy with other work",
+        ),
     ],
 )
 def test_thread_rule(facts: CpuFacts, expected: int, reason: str) -> None:
@@ -76,3 +80,15 @@ def test_the_command_applies_the_rule_before_parsing(set_threads, monkeypatch, c
     cli.main()
     assert set_threads == [3, -1]
     assert "torch CPU threads: 3 (3 physical cores among 6 usable CPUs)" in capsys.readouterr().err
+
+
+def test_busy_cpus_reads_the_machine_now_not_the_load_average(monkeypatch):
+    from lightning_memrl import threads
+
+    samples = iter([(1000, 600), (1100, 650)])  # 100 jiffies passed, 50 of them idle or waiting
+    monkeypatch.setattr(threads, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(threads.time, "sleep", lambda seconds: None)
+    assert threads.busy_cpus(4) == 2.0  # (1 - 50/100) of 4 CPUs
+    monkeypatch.setattr(threads, "_cpu_times", lambda: None)  # no /proc/stat: the load average instead
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (3.5, 0.0, 0.0))
+    assert threads.read_cpu_facts().load == 3.5
