@@ -25,6 +25,22 @@ def answered(completion: str, answers: list[str], memories: list[str] | None = N
     return Trajectory(task=task, turns=[Turn(ANSWER_TURN, [2], gen, completion)], memories=list(memories or []))
 
 
+def sampler_and_learner_logprobs(
+    module, policy, prompts: list[list[int]], gens: list[Generation]
+) -> tuple[torch.Tensor, float]:
+    """The learner's log-probs of the sampled tokens [B, T] (no grad) and their largest gap to the sampler's."""
+    width = max(len(g.token_ids) for g in gens)
+    ids = torch.zeros(len(gens), width, dtype=torch.long)
+    mask = torch.zeros(len(gens), width, dtype=torch.long)
+    for row, g in enumerate(gens):
+        ids[row, : len(g.token_ids)] = torch.tensor(g.token_ids)
+        mask[row, : len(g.token_ids)] = 1
+    with torch.no_grad():
+        learner, _ = module.sequence_logprobs(policy, prompts, ids, mask)
+    gap = max(float((learner[row, : len(g.token_ids)].float() - g.logprobs).abs().max()) for row, g in enumerate(gens))
+    return learner, gap
+
+
 def quiet_trainer(tmp_path, steps: int = 2, callbacks=()) -> L.Trainer:
     """A CPU trainer without loggers, checkpoints, progress bar or validation."""
     return L.Trainer(

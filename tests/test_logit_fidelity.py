@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sampler_and_learner_logprobs
 
 from lightning_memrl import GenerationSettings, MemRLModule, losses
 from lightning_memrl.advantages import assign_advantages
@@ -57,15 +58,7 @@ def _rollout_and_update(module: MemRLModule, policy, settings: GenerationSetting
     module.generation = settings
     torch.manual_seed(0)
     gens = module.engine.generate(PROMPTS, settings)
-    width = max(len(g.token_ids) for g in gens)
-    ids = torch.zeros(len(gens), width, dtype=torch.long)
-    mask = torch.zeros(len(gens), width, dtype=torch.long)
-    for row, g in enumerate(gens):
-        ids[row, : len(g.token_ids)] = torch.tensor(g.token_ids)
-        mask[row, : len(g.token_ids)] = 1
-    with torch.no_grad():
-        update, _ = module.sequence_logprobs(policy, PROMPTS, ids, mask)
-    gap = max(float((update[row, : len(g.token_ids)] - g.logprobs).abs().max()) for row, g in enumerate(gens))
+    update, gap = sampler_and_learner_logprobs(module, policy, PROMPTS, gens)
     return gens, gap
 
 

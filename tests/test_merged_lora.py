@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sampler_and_learner_logprobs
 
 from lightning_memrl import GenerationSettings, LoraSettings, MemRLModule
 from lightning_memrl.rollout.hf import RolloutEngine
@@ -40,15 +41,7 @@ def _sample(module: MemRLModule, engine: RolloutEngine, seed: int = 0) -> tuple[
     """The engine's generations, the learner's log-probs of the same tokens, and their largest gap."""
     torch.manual_seed(seed)
     gens = engine.generate(PROMPTS, SETTINGS)
-    width = max(len(g.token_ids) for g in gens)
-    ids = torch.zeros(len(gens), width, dtype=torch.long)
-    mask = torch.zeros(len(gens), width, dtype=torch.long)
-    for row, g in enumerate(gens):
-        ids[row, : len(g.token_ids)] = torch.tensor(g.token_ids)
-        mask[row, : len(g.token_ids)] = 1
-    with torch.no_grad():
-        learner, _ = module.sequence_logprobs(module.policy, PROMPTS, ids, mask)
-    gap = max(float((learner[row, : len(g.token_ids)].float() - g.logprobs).abs().max()) for row, g in enumerate(gens))
+    learner, gap = sampler_and_learner_logprobs(module, module.policy, PROMPTS, gens)
     return gens, learner, gap
 
 
