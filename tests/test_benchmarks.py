@@ -132,3 +132,22 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     monkeypatch.setattr(ablation, "run_cli", lambda *a: calls.append(a))
     again = ablation.main(argv)
     assert calls == [] and again["arms"] == summary["arms"]  # finished arms are skipped, not rerun
+
+
+def test_credit_cost_composes_an_overlay_into_the_base_config_keeping_its_rewards(bench):
+    credit_cost = importlib.import_module("credit_cost")
+    quickstart = BENCHMARKS.parent / "configs" / "memagent" / "quickstart.yaml"
+    config, _ = credit_cost.composed_config(quickstart, BENCHMARKS.parent / "examples" / "credit" / "tips.yaml")
+    rewards = [
+        (r["class_path"], (r.get("init_args") or {}).get("name")) for r in config["model"]["init_args"]["rewards"]
+    ]
+    assert rewards == [
+        ("lightning_memrl.rewards.ExactMatch", None),
+        ("lightning_memrl.rewards.ExactMatch", "bare_answer"),
+    ]
+    callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert callbacks == [
+        "lightning.pytorch.callbacks.ModelCheckpoint",
+        "lightning_memrl.credit.tips.PotentialTurnShaping",
+    ]
+    assert credit_cost.composed_config(quickstart, None)[0]["model"] == config["model"]  # tips adds only a callback
