@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "what": "Recall@k of LoCoMo evidence turns: share of a question's evidence dia_ids among the source "
         "turns of the top-k retrieved units (a turn unit's source is itself; a reflection topic's are the "
         "turns it cites, all its segment's when it cites none)",
-        "locomo": str(args.locomo),
+        "locomo": Path(args.locomo).name,  # the data folder or file, by name
         "conversations": ids,
         "max_sessions": args.max_sessions,
         "questions": len(tasks),

@@ -45,9 +45,9 @@ def reflection_units(
 
     Returns the states and facts about the build (model, seconds, the workflow's counters).
     """
-    states: dict[str, dict[str, Any]] = json.loads(cache.read_text()) if cache.is_file() else {}
+    saved = json.loads(cache.read_text()) if cache.is_file() else {"banks": {}, "builds": []}
+    states: dict[str, dict[str, Any]] = saved["banks"]
     missing = [c for c in conversations if c.id not in states]
-    facts: dict[str, Any] = {"model": model, "cache": str(cache), "built": [c.id for c in missing]}
     if missing:
         from transformers import AutoModelForCausalLM
 
@@ -64,10 +64,12 @@ def reflection_units(
             built = workflow.build_banks(
                 RolloutEngine(policy, load_tokenizer(path)), missing, GenerationSettings(temperature=0.0), False
             )
-        facts.update(seconds=round(time.perf_counter() - start, 1), counters=dict(workflow.counters))
+        seconds = round(time.perf_counter() - start, 1)
+        saved["builds"].append({"conversations": [c.id for c in missing], "seconds": seconds, **workflow.counters})
         states.update({c.id: bank.state_dict() for c, (bank, _) in zip(missing, built)})
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(states))
+        cache.write_text(json.dumps(saved))
+    facts = {"model": model, "cache": cache.name, "builds": saved["builds"]}  # builds: seconds and counters
     return {c.id: states[c.id] for c in conversations}, facts
 
 
