@@ -168,9 +168,11 @@ def _run(command: list[str], cwd: Path, in_process: bool) -> float:
 
 
 def _shown(command: list[str], args: argparse.Namespace) -> str:
-    """The command as a shell line: the data path as ``$LOCOMO``, paths under the working folder relative."""
-    data, here = str(Path(args.locomo).resolve()), str(Path.cwd()) + "/"
-    return "lightning-memrl " + " ".join(shlex.quote(a).replace(data, "$LOCOMO").replace(here, "") for a in command)
+    """The command as a shell line: the data path as ``$LOCOMO``, paths under the repository or the working
+    folder relative to it."""
+    data, here, repo = str(Path(args.locomo).resolve()), str(Path.cwd()) + "/", str(ROOT) + "/"
+    words = (shlex.quote(a).replace(data, "$LOCOMO").replace(repo, "").replace(here, "") for a in command)
+    return "lightning-memrl " + " ".join(words)
 
 
 def run_stage(args: argparse.Namespace, stage: str, extra: list[str]) -> dict[str, Any]:
