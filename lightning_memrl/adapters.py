@@ -52,6 +52,10 @@ class LoraSettings:
         adapter_name_or_path: a saved peft LoRA adapter (a folder from ``save_pretrained``, or a hub
             id) to train further instead of new adapters; its ``adapter_config.json`` then sets the
             adapter's shape and the options above (but ``lora_dropout``) are not used.
+        frozen_adapter_name_or_path: a saved peft LoRA adapter that a workflow's frozen agents generate
+            with (loaded next to the trained adapter, never trained, e.g. the trained memory manager
+            while Memory-R1's answer agent trains); None: they use the base with adapters disabled.
+            The KL term's reference stays the base.
         alpha: former name of ``lora_alpha`` (give one of the two).
         dropout: former name of ``lora_dropout`` (give one of the two).
     """
@@ -67,6 +71,7 @@ class LoraSettings:
     init_lora_weights: bool | str = True
     layers_to_transform: list[int] | int | None = None
     adapter_name_or_path: str | None = None
+    frozen_adapter_name_or_path: str | None = None
     alpha: int | float | None = None
     dropout: float | None = None
 
@@ -153,19 +158,19 @@ def linear_layer_names(model: Any) -> list[str]:
     )
 
 
-def _adapter_config(path: str) -> Any:
-    """The ``LoraConfig`` of the saved adapter at ``path``, or one clear error."""
+def adapter_config(path: str, option: str = "adapter_name_or_path") -> Any:
+    """The ``LoraConfig`` of the saved adapter at ``path``, or one clear error naming the ``option``."""
     from peft import PeftConfig
 
     try:
         config = PeftConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise FileNotFoundError(
-            f"{P}adapter_name_or_path={path!r}: no peft adapter found ({err}). Pass a folder that peft's "
+            f"{P}{option}={path!r}: no peft adapter found ({err}). Pass a folder that peft's "
             "save_pretrained wrote (adapter_config.json and adapter_model.safetensors) or the hub id of one"
         ) from err
     if str(config.peft_type) not in ("LORA", "PeftType.LORA"):
-        raise ConfigError(f"{P}adapter_name_or_path={path!r} is a {config.peft_type} adapter; only LoRA is supported")
+        raise ConfigError(f"{P}{option}={path!r} is a {config.peft_type} adapter; only LoRA is supported")
     return config
 
 
@@ -178,7 +183,7 @@ def add_lora(model: Any, lora: LoraSettings, empty_weights: bool = False) -> Any
     if path is None:
         config = lora.to_peft_config(model)
     else:
-        config = _adapter_config(path)
+        config = adapter_config(path)
         config.lora_dropout = lora.resolved("lora_dropout")
         log.info(
             "LoRA: training the adapter at %s further (r=%s, lora_alpha=%s, target_modules=%s, use_rslora=%s, "

@@ -34,7 +34,7 @@ from lightning_memrl.predict import check_predict_workflow, predict_rows, predic
 from lightning_memrl.resume import ExactResume
 from lightning_memrl.rewards import ExactMatch, RewardFunction, check_answer_pattern
 from lightning_memrl.rollout.base import RolloutBackend, RolloutBackendFactory, check_backend
-from lightning_memrl.rollout.frozen import FrozenRolloutEngine
+from lightning_memrl.rollout.frozen import FrozenRolloutEngine, adapter_engine
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.rollout.mode import generation_mode
 from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings, build_optimizer
@@ -203,8 +203,10 @@ class MemRLModule(L.LightningModule):
 
     def frozen_engine(self) -> FrozenRolloutEngine:
         """A rollout engine over the model a workflow's frozen agents use: the LoRA base with the
-        adapters disabled, else the reference (a frozen copy of the initial weights)."""
+        adapters disabled (or the saved ``lora.frozen_adapter_name_or_path``), else the reference."""
         lora, name = self.lora is not None, self.model_name_or_path
+        if lora and (frozen_path := getattr(self.lora, "frozen_adapter_name_or_path", None)):
+            return adapter_engine(self.policy, self.tokenizer, frozen_path, self.share_prefixes)
         return FrozenRolloutEngine(
             self.policy if lora else self._reference,
             self.tokenizer,

@@ -176,3 +176,15 @@ def test_a_bank_workflow_needs_only_its_banks_and_what_it_shows(tasks, tiny_toke
     assert trajectory.info["shown_source_ids"] == ["D1:1", "D1:2", "D2:1", "D2:2", "D3:1"]
     prompt, temperature = engine.calls[-1]
     assert "Q: What is the name of Ana's cat? (Ana, Ben)" in prompt and "Rosa" in prompt and temperature == 1.0
+
+
+def test_evaluation_reports_the_valid_operation_rate_of_each_greedy_bank(tasks, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, reply)  # 3 facts; the violin one gets no usable operation
+    workflow = MemoryR1Workflow(stage="manager", turns_per_segment=0)
+    workflow.frozen_engine = engine
+    greedy = workflow.rollout(engine, tasks[:2], GREEDY)
+    assert [workflow.evaluation_metrics(t)["valid_operations"] for t in greedy] == [pytest.approx(2 / 3)] * 2
+    workflow._valid_ops.clear()
+    workflow.rollout(engine, tasks[:1], SAMPLED)  # a training rollout's sampled banks are not the evaluated ones
+    assert workflow.evaluation_metrics(greedy[0])["valid_operations"] is None
+    assert workflow.state_dict()["valid_operations"] == {}

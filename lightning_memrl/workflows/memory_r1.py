@@ -36,7 +36,14 @@ from lightning_memrl.memory.operations import parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Trajectory, Turn
-from lightning_memrl.workflows.bank import BankWorkflow, Segment, answer_part, parse_items, record_shown
+from lightning_memrl.workflows.bank import (
+    BankWorkflow,
+    Segment,
+    answer_part,
+    conversation_of,
+    parse_items,
+    record_shown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +133,7 @@ class MemoryR1Workflow(BankWorkflow):
         # greedy facts per conversation: the frozen model's (kept), or the trained extractor's (until it trains)
         self._facts_cache: dict[str, list[list[tuple[str, list[str]]]]] = {}
         self._step_counts: Counter[str] = Counter()  # counts of the last training rollout
+        self._valid_ops: dict[str, float | None] = {}  # conversation id -> valid-operation rate of its greedy bank
 
     def banks_are_frozen(self) -> bool:
         return self.stage == "answerer"
@@ -200,6 +208,7 @@ class MemoryR1Workflow(BankWorkflow):
         counts: Counter[str] = Counter()
         gen_settings = settings if manager_trainable else settings.greedy()
         manager = self.engine_for(engine, self.stage == "manager")
+        outcomes: list[Counter[bool]] = [Counter() for _ in conversations]  # per bank: valid (True) / not
         for r in range(max((len(s) for s in segments), default=0)):
             jobs = []  # (slot, fact, source ids, ids shown) in application order
             texts = []
@@ -216,11 +225,17 @@ class MemoryR1Workflow(BankWorkflow):
                 manager, texts, gen_settings, self.manage_max_tokens, MEMORY_TURN, manager_trainable
             )
             for (slot, segment, fact, sources, shown_ids), turn in zip(jobs, outputs):
+                invalid = counts["invalid"]
                 self.apply_operation(banks[slot], turn, segment, fact, sources, shown_ids, counts)
+                outcomes[slot][counts["invalid"] == invalid] += 1
                 turns[slot].append(turn)
         self.counters.update(counts)
         if trainable:
             self._step_counts = counts
+        else:  # greedy banks (evaluation, frozen banks): each one's valid-operation rate, for the report
+            for conversation, outcome in zip(conversations, outcomes):
+                total = outcome[True] + outcome[False]
+                self._valid_ops[conversation.id] = outcome[True] / total if total else None
         if counts["invalid"]:
             log.warning(
                 "memory manager: %d of %d outputs were not a usable operation (NOOP, penalty %.2f)",
@@ -295,11 +310,19 @@ class MemoryR1Workflow(BankWorkflow):
         metrics["manager/facts"] = float(counts["facts"])
         return metrics
 
+    def evaluation_metrics(self, trajectory: Trajectory) -> dict[str, float | None]:
+        """Also ``valid_operations``: the share of the manager's outputs that were usable operations
+        when the (greedy) bank this question was answered from was built."""
+        metrics = super().evaluation_metrics(trajectory)
+        metrics["valid_operations"] = self._valid_ops.get(conversation_of(trajectory.task).id)
+        return metrics
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "facts": self._facts_cache}
+        return {**super().state_dict(), "facts": self._facts_cache, "valid_operations": self._valid_ops}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self._valid_ops = dict(state.get("valid_operations", {}))
         self._facts_cache = {
             cid: [[(f, list(s)) for f, s in seg] for seg in conv] for cid, conv in state.get("facts", {}).items()
         }
