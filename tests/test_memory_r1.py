@@ -14,6 +14,7 @@ from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, RolloutBatch
 from lightning_memrl.workflows.bank import BankWorkflow, parse_items, record_shown, split_segments
 from lightning_memrl.workflows.memory_r1 import MemoryR1Workflow
+from lightning_memrl.workflows.rmm import RMMWorkflow
 
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=16)
@@ -188,3 +189,15 @@ def test_evaluation_reports_the_valid_operation_rate_of_each_greedy_bank(tasks, 
     workflow.rollout(engine, tasks[:1], SAMPLED)  # a training rollout's sampled banks are not the evaluated ones
     assert workflow.evaluation_metrics(greedy[0])["valid_operations"] is None
     assert workflow.state_dict()["valid_operations"] == {}
+
+
+@pytest.mark.parametrize("workflow_class", [MemoryR1Workflow, RMMWorkflow], ids=["memory_r1", "rmm"])
+def test_dense_retrieval_uses_the_workflows_embedding(workflow_class):
+    workflow = workflow_class(retriever="dense", embedding="hashing", embedding_dim=512)
+    bank = workflow.new_bank()
+    bank.add("Caroline moved to Boston in May", source_ids=["D1:1"])
+    bank.add("Melanie paints landscapes", source_ids=["D1:2"])
+    assert bank.embedder is workflow.embedder and bank.embedder.dim == 512  # was None: the bank made a 256-dim one
+    assert [e.text for e, _ in bank.retrieve("where did Caroline move", 1)] == ["Caroline moved to Boston in May"]
+    with pytest.raises(ValueError, match="workflow embedding must be 'hashing' or 'sentence-transformers'"):
+        workflow_class(embedding="word2vec")

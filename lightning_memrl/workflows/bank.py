@@ -26,6 +26,7 @@ from lightning_memrl.errors import DataError, check_placeholders
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import evidence_recall
 from lightning_memrl.memory.bank import MemoryBank, MemoryEntry
+from lightning_memrl.memory.embedders import Embedder, build_embedder
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.frozen import engine_description
 from lightning_memrl.settings import GenerationSettings
@@ -121,7 +122,12 @@ class BankWorkflow(Workflow):
     Args:
         answer_template: prompt of the answer turn, with ``{memories}``, ``{question}``,
             ``{speaker_a}``, ``{speaker_b}``.
-        retriever: ``bm25`` or ``dense`` retrieval of the banks.
+        retriever: ``bm25`` or ``dense`` retrieval of the banks (``dense``: cosine similarity of the
+            ``embedding`` vectors).
+        embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra):
+            the vectors of ``dense`` retrieval (and of RMM's reranker).
+        embedding_dim: size of ``hashing`` embeddings.
+        embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
         turns_per_segment: dialogue turns per memory-writing call (0: a whole session).
         max_batch: most prompts per ``generate`` call.
         system_prompt: optional system message of every turn.
@@ -136,12 +142,16 @@ class BankWorkflow(Workflow):
         max_batch: int = 32,
         system_prompt: str | None = None,
         judge: LLMJudge | None = None,
+        embedding: str = "hashing",
+        embedding_dim: int = 256,
+        embedding_model: str | None = None,
     ) -> None:
         check_placeholders(("answer_template", answer_template, ("{memories}", "{question}")))
         if turns_per_segment < 0 or max_batch < 1:
             raise ValueError("workflow turns_per_segment must be >= 0 and max_batch >= 1")
         self.retriever = retriever
         MemoryBank(retriever)  # fail early on a bad retriever name
+        self.embedder: Embedder = build_embedder(embedding, embedding_dim, embedding_model)
         self.turns_per_segment = turns_per_segment
         self.max_batch = max_batch
         self.system_prompt = system_prompt
@@ -152,7 +162,7 @@ class BankWorkflow(Workflow):
 
     # ------------------------------------------------------------------ helpers for subclasses
     def new_bank(self) -> MemoryBank:
-        return MemoryBank(self.retriever)
+        return MemoryBank(self.retriever, self.embedder)
 
     def segments(self, conversation: Conversation) -> list[Segment]:
         return split_segments(conversation, self.turns_per_segment)

@@ -36,7 +36,6 @@ from lightning_memrl.data.locomo import Conversation
 from lightning_memrl.errors import check_placeholders
 from lightning_memrl.evaluation.metrics import evidence_recall
 from lightning_memrl.memory.bank import MemoryBank, MemoryEntry, MemoryOp
-from lightning_memrl.memory.embedders import Embedder, HashingEmbedder, SentenceTransformerEmbedder
 from lightning_memrl.memory.operations import parse_memory_operation
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
@@ -149,7 +148,8 @@ class RMMWorkflow(BankWorkflow):
         top_m: memories the reranker keeps and the generator sees (RMM's M).
         temperature: softmax temperature τ of the reranker's selection distribution.
         gumbel: sample the top M with Gumbel noise during training (evaluation takes the best M).
-        embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra).
+        embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra):
+            the reranker's vectors, and those of ``retriever: dense``.
         embedding_dim: size of ``hashing`` embeddings.
         embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
         reranker_lr: learning rate of the reranker's parameters.
@@ -190,7 +190,14 @@ class RMMWorkflow(BankWorkflow):
         answer_template: str = DEFAULT_ANSWER_TEMPLATE,
         **kwargs: Any,
     ) -> None:
-        super().__init__(answer_template, turns_per_segment=turns_per_segment, **kwargs)
+        super().__init__(
+            answer_template,
+            turns_per_segment=turns_per_segment,
+            embedding=embedding,
+            embedding_dim=embedding_dim,
+            embedding_model=embedding_model,
+            **kwargs,
+        )
         if not 1 <= top_m <= top_k:
             raise ValueError(f"workflow needs 1 <= top_m <= top_k, got top_m={top_m}, top_k={top_k}")
         if temperature <= 0 or not 0 <= baseline_momentum < 1:
@@ -199,12 +206,6 @@ class RMMWorkflow(BankWorkflow):
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
         )
-        if embedding == "hashing":
-            self.embedder: Embedder = HashingEmbedder(embedding_dim)
-        elif embedding == "sentence-transformers":
-            self.embedder = SentenceTransformerEmbedder(embedding_model)
-        else:
-            raise ValueError(f"workflow embedding must be 'hashing' or 'sentence-transformers', got {embedding!r}")
         self.reranker = Reranker(self.embedder.dim)
         self.module_lr = reranker_lr
         self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
