@@ -23,7 +23,7 @@ from lightning_memrl.rollout.decode_loop import DecodeLoopEngine
 from lightning_memrl.rollout.hf import RolloutEngine
 
 REPO = Path(__file__).resolve().parents[1]
-GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=10)
+GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=10, repetition_penalty=50.0)  # no token twice: varied rows
 SAMPLED = GenerationSettings(temperature=0.7, top_p=0.9, top_k=40, min_p=0.02, repetition_penalty=1.3, max_new_tokens=8)
 HEADER = "Problem: what is the secret code of Alice? Memory: nothing yet. Section: the code of"
 
@@ -52,7 +52,8 @@ def _shared(tokenizer) -> tuple[list[list[int]], list[int]]:
 def _ending_at_different_steps(engines, prompts, settings) -> None:
     """Add EOS tokens that end rows 0, 1, 2 at different steps (the last row runs to the cap)."""
     gens = RolloutEngine(engines[0].model, engines[0].tokenizer, share_prefixes=False).generate(prompts, settings)
-    chosen = {gens[row].token_ids[step] for row, step in ((0, 1), (1, 4), (2, 7))} - set(gens[-1].token_ids)
+    steps = [1, 4, 7] * len(gens)
+    chosen = {gens[row].token_ids[steps[row]] for row in range(len(gens) - 1)} - set(gens[-1].token_ids)
     for engine in engines:
         engine.eos_ids = engine.eos_ids | chosen
 
@@ -90,9 +91,8 @@ def test_greedy_tokens_equal_generate_with_ragged_prompts_shared_prefixes_and_ea
         lengths = {len(g.token_ids) for g in expected}
         assert len(lengths) >= 3 and any(g.truncated for g in expected), lengths  # rows end at different steps
         _same(ours.generate(prompts, GREEDY, prefix_labels=prefix_labels), expected)
-    penalised = GenerationSettings(temperature=0.0, max_new_tokens=10, repetition_penalty=3.0)
-    expected = reference.generate(shared, penalised, prefix_labels=labels)
-    _same(ours.generate(shared, penalised, prefix_labels=labels), expected)
+    plain = GenerationSettings(temperature=0.0, max_new_tokens=10)
+    _same(ours.generate(shared, plain, prefix_labels=labels), reference.generate(shared, plain, prefix_labels=labels))
 
 
 def test_finished_rows_leave_the_decode_batch(sharp_model, tiny_tokenizer):
