@@ -13,7 +13,9 @@ criteria, mask and cache bookkeeping and output tuples that the loop does not.
   costs no more decode work; ``generate`` keeps decoding it on padding until every row is done.
 * ``compile``: ``torch.compile`` the decode step (a static cache, fixed shapes: the cache length is
   rounded up to a multiple of 64 and rows are not dropped). It pays on CUDA (CUDA graphs remove the
-  per-op launch cost) once the same shapes recur; every new (batch, cache length) compiles again.
+  per-op launch cost) once the same shapes recur; every new (batch, cache length) compiles again. On a
+  CPU the compiled step was slower than the eager one (and its first call compiles for tens of
+  seconds): leave it off there.
 
 Sampling is ``generate``'s: the raw fp32 logits of the last position go through ``transformers``' own
 ``RepetitionPenaltyLogitsProcessor`` (padding columns ignored as ``generate`` does), then, when
