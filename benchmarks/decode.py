@@ -3,6 +3,7 @@
     python benchmarks/decode.py                          # SmolLM2-135M-Instruct, bf16 and fp32, batch 8
     python benchmarks/decode.py --threads 1 --lora_r 16  # also the engine over a LoRA model, merged and not
     python benchmarks/decode.py --model tiny --steps 4 --repeats 1 --bandwidth_mib 64   # seconds
+    python benchmarks/decode.py --compile               # also the decode-loop backend's compiled step
 
 Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prompt_tokens`` random tokens:
 
@@ -14,6 +15,9 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
 * engine: ``RolloutEngine.generate`` (sampling at T=1, log-probs of the sampled tokens, generate's
   per-token work): the time of ``--steps`` + 1 new tokens minus the time of 1 new token (same
   prefill), over the decode forwards counted at the input embedding; median of ``--repeats``.
+* loop: the decode-loop backend (``DecodeLoopEngine``), timed as the engine, with its static cache and with
+  the dynamic one; with ``--compile`` also its ``torch.compile``-d step: the warm-up (the first call's
+  time minus the same call's once compiled) and the step after it.
 * with ``--lora_r``: the engine over the same weights with LoRA adapters (alpha 2r, every linear
   layer) sampling from merged weights (``merge_adapters``, the default) and through peft's layers.
 
@@ -36,17 +40,25 @@ import torch
 
 from lightning_memrl import GenerationSettings, LoraSettings, RolloutEngine
 from lightning_memrl.models import load_policy, load_tokenizer
+from lightning_memrl.rollout.decode_loop import DecodeLoopEngine
 
+WORK_KEYS = ("batch", "prompt_tokens", "steps", "repeats", "lora_r", "compile", "seed")
 LABELS = {
     "weights_mib": "weights (MiB)",
     "floor_ms": "weight-streaming floor (ms)",
     "bare_ms": "bare `model(...)` decode step (ms)",
     "engine_ms": "**our engine's decode step (ms)**",
+    "loop_static_ms": "decode-loop backend, static cache (ms)",
+    "loop_dynamic_ms": "decode-loop backend, dynamic cache (ms)",
+    "loop_compiled_ms": "decode-loop backend, compiled step (ms)",
+    "loop_compile_warmup_s": "compile warm-up, first call (s)",
     "engine_lora_merged_ms": "engine, LoRA merged (ms)",
     "engine_lora_unmerged_ms": "engine, LoRA through peft (ms)",
     "bare_over_floor": "bare / floor",
     "engine_over_floor": "engine / floor",
     "engine_over_bare": "engine / bare",
+    "loop_over_floor": "decode loop (static) / floor",
+    "loop_over_engine": "decode loop (static) / engine",
 }
 
 
@@ -60,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="engine timings (median)")
     parser.add_argument("--bandwidth_mib", type=int, default=512, help="size of the tensor summed for bandwidth")
     parser.add_argument("--lora_r", type=int, default=0, help="also time the engine over LoRA (rank r); 0: not")
+    parser.add_argument("--compile", action="store_true", help="also time the decode loop's compiled step")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
     args = parser.parse_args(argv)
@@ -128,6 +141,21 @@ def engine_decode_ms(engine: RolloutEngine, prompts: list[list[int]], steps: int
     return statistics.median(per_step) * 1e3
 
 
+def loop_rows(model: Any, tokenizer: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
+    """The decode-loop backend's step: static and dynamic cache, and with ``--compile`` the compiled step."""
+    row = {}
+    for cache in ("static", "dynamic"):
+        engine = DecodeLoopEngine(model, tokenizer, cache=cache)
+        row[f"loop_{cache}_ms"] = engine_decode_ms(engine, prompts, args.steps, args.repeats)
+    if args.compile:
+        engine = DecodeLoopEngine(model, tokenizer, compile=True)
+        settings = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=2)
+        first = _timed(engine.generate, prompts, settings)  # compiles (prompt + 2 and + steps share a cache length)
+        row["loop_compile_warmup_s"] = first - _timed(engine.generate, prompts, settings)
+        row["loop_compiled_ms"] = engine_decode_ms(engine, prompts, args.steps, args.repeats)
+    return row
+
+
 def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float) -> dict[str, Any]:
     """The floor, the bare step and the engine's step (and its LoRA variants) for one weight dtype."""
     tokenizer = load_tokenizer(path)
@@ -140,6 +168,7 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
     row = {"weights_mib": weight_bytes(model) / 2**20, "floor_ms": weight_bytes(model) / bandwidth * 1e3}
     row["bare_ms"] = bare_decode_ms(model, prompts, args.steps)
     row["engine_ms"] = engine_decode_ms(RolloutEngine(model, tokenizer), prompts.tolist(), args.steps, args.repeats)
+    row.update(loop_rows(model, tokenizer, prompts.tolist(), args))
     del model
     if args.lora_r:
         lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r)
@@ -154,6 +183,8 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
     row["bare_over_floor"] = row["bare_ms"] / row["floor_ms"]
     row["engine_over_floor"] = row["engine_ms"] / row["floor_ms"]
     row["engine_over_bare"] = row["engine_ms"] / row["bare_ms"]
+    row["loop_over_floor"] = row["loop_static_ms"] / row["floor_ms"]
+    row["loop_over_engine"] = row["loop_static_ms"] / row["engine_ms"]
     return row
 
 
@@ -170,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": command.strip(),
         "machine": bu.machine(args.threads),
         "model": args.model,
-        "work": {k: getattr(args, k) for k in ("batch", "prompt_tokens", "steps", "repeats", "lora_r", "seed")},
+        "work": {k: getattr(args, k) for k in WORK_KEYS},
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "bandwidth_tensor_mib": args.bandwidth_mib,
         "dtypes": rows,

@@ -6,6 +6,8 @@
     python benchmarks/rollout.py --model tiny --small
     python benchmarks/rollout.py --small --threads 1   # on a CPU other jobs share (two threads stall there)
     python benchmarks/rollout.py --small --sides ours --lora_r 16 --merge_adapters false   # LoRA through peft
+    python benchmarks/rollout.py --small --backend decode_loop    # ours through the decode-loop backend
+    python benchmarks/rollout.py --small --backend decode_loop --cache dynamic --drop_finished false
 
 The episode set: ``--tasks`` synthetic long-context tasks, each repeated ``--group`` times (a GRPO
 group), each context cut into ``--chunks`` chunks of ``--chunk_tokens`` tokens; MemAgent's turns
@@ -27,8 +29,10 @@ ours / naive. Generated lengths differ between the sides (sampling), so tokens/s
 Weights are float32 unless ``--dtype bfloat16`` (or ``auto`` on a CPU with bf16 hardware), the same
 on both sides; ``--lora_r`` adds fresh LoRA adapters (alpha 2r, every linear layer; B starts at zero,
 so the sampled tokens match the full-weight run's) that ours samples through merged weights unless
-``--merge_adapters false``. Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
-``_lora<r>``, ``_unmerged`` added to the name).
+``--merge_adapters false``. ``--backend decode_loop`` runs ours through ``DecodeLoopEngine`` (its own
+decode loop; ``--cache``, ``--drop_finished`` and ``--compile`` are its options) instead of
+``RolloutEngine`` (``model.generate``). Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
+``_lora<r>``, ``_unmerged``, ``_decode_loop...`` added to the name).
 """
 
 from __future__ import annotations
@@ -57,12 +61,14 @@ from lightning_memrl import (
     generate_synthetic_tasks,
 )
 from lightning_memrl.models import load_policy, load_tokenizer
+from lightning_memrl.rollout.decode_loop import DecodeLoopEngine
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Generation
 from lightning_memrl.workflows.base import split_context
 
 SMALL = {"tasks": 2, "group": 4, "chunks": 3, "chunk_tokens": 256, "memory_tokens": 64}
 EPISODE_KEYS = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
-EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "threads", "seed"]  # with threads and seed: a worker's
+EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "backend", "cache", "drop_finished", "compile"]
+EPISODE_KEYS += ["threads", "seed"]  # with threads and seed: a worker's
 LABELS = {
     "wall_s": "wall time (s)",
     "generated_tokens": "generated tokens",
@@ -96,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--merge_adapters", default="true", choices=["true", "false"], help="ours with LoRA: sample from merged weights"
     )
+    parser.add_argument(
+        "--backend", default="generate", choices=["generate", "decode_loop"], help="ours: generate or DecodeLoopEngine"
+    )
+    parser.add_argument("--cache", default="static", choices=["static", "dynamic"], help="decode_loop: its KV cache")
+    parser.add_argument("--drop_finished", default="true", choices=["true", "false"], help="decode_loop: drop EOS rows")
+    parser.add_argument("--compile", default="false", choices=["true", "false"], help="decode_loop: compile the step")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
     parser.add_argument("--seed", type=int, default=0, help="task and sampling seed")
     parser.add_argument("--sides", default="ours,naive", help="comma-separated sides to run: ours, naive")
@@ -202,6 +214,15 @@ def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], s
     return trajectories
 
 
+def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> RolloutEngine:
+    """Ours: ``RolloutEngine`` (``model.generate``) or, with ``--backend decode_loop``, ``DecodeLoopEngine``."""
+    merge = args.merge_adapters == "true"
+    if args.backend == "generate":
+        return RolloutEngine(model, tokenizer, merge_adapters=merge)
+    options = {"cache": args.cache, "drop_finished": args.drop_finished == "true", "compile": args.compile == "true"}
+    return DecodeLoopEngine(model, tokenizer, merge_adapters=merge, **options)
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one side on the episode set and measure it."""
     bu.set_threads(args.threads)
@@ -217,7 +238,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     settings = GenerationSettings(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.answer_tokens
     )
-    engine = RolloutEngine(model, tokenizer, merge_adapters=args.merge_adapters == "true")
+    engine = build_engine(args, model, tokenizer)
     warm = workflow.encode_prompt("Warm-up.", tokenizer)
     torch.manual_seed(args.seed)
     with torch.no_grad():
@@ -247,6 +268,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "truncated_fraction": sum(t.generation.truncated for t in turns) / len(turns),
         "chunk_tokens_actual": [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in tasks[0].context],
         "peak_rss_mib": bu.peak_rss_mib(),
+        "fallbacks": getattr(engine, "fallbacks", {}),  # decode_loop: calls run through model.generate
     }
 
 
@@ -282,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     names = {"ours": "ours (batched)", "naive": "naive loop"}
     headers, rows = bu.comparison_table(LABELS, results, sides, ratios, names, "ours / naive")
     tag = bu.model_tag(args.model) + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
+    if args.backend == "decode_loop":
+        tag += f"_decode_loop_{args.cache}" + ("_compiled" if args.compile == "true" else "")
+        tag += "" if args.drop_finished == "true" else "_keep_finished"
     if args.lora_r:
         tag += f"_lora{args.lora_r}" + ("" if args.merge_adapters == "true" else "_unmerged")
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -82,10 +82,25 @@ def test_decode_reports_floor_bare_and_engine_steps_per_dtype(bench, monkeypatch
     assert fp32["floor_ms"] == pytest.approx(fp32["weights_mib"] * 2**20 / bandwidth * 1e3)
     for row in (fp32, bf16):
         assert 0 < row["bare_ms"] < 1e4
-        for key in ("engine_ms", "engine_lora_merged_ms", "engine_lora_unmerged_ms"):  # differences of two timings
+        timed = ("engine_ms", "engine_lora_merged_ms", "engine_lora_unmerged_ms", "loop_static_ms", "loop_dynamic_ms")
+        for key in timed:  # differences of two timings
             assert math.isfinite(row[key]), key
         assert row["engine_over_bare"] == pytest.approx(row["engine_ms"] / row["bare_ms"])
+        assert row["loop_over_engine"] == pytest.approx(row["loop_static_ms"] / row["engine_ms"])
         assert row["lora_merged_mib"] > 0
+
+
+def test_rollout_backend_option_reaches_the_worker(bench, tiny_model, tiny_tokenizer):
+    rollout = importlib.import_module("rollout")
+    from lightning_memrl.rollout.decode_loop import DecodeLoopEngine
+    from lightning_memrl.rollout.hf import RolloutEngine
+
+    args = rollout.parse_args(["--model", "tiny", "--backend", "decode_loop", "--cache", "dynamic"])
+    worker = rollout.parse_args([f"--{k}={getattr(args, k)}" for k in rollout.EPISODE_KEYS] + ["--worker", "ours"])
+    engine = rollout.build_engine(worker, tiny_model, tiny_tokenizer)
+    assert type(engine) is DecodeLoopEngine and (engine.cache, engine.drop_finished) == ("dynamic", True)
+    default = rollout.parse_args(["--model", "tiny"])
+    assert type(rollout.build_engine(default, tiny_model, tiny_tokenizer)) is RolloutEngine
 
 
 def test_ablation_composes_overlays_without_dropping_the_base_rewards(bench):
