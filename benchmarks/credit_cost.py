@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["runs"][session["base"]] = run_fit(config, None, args)
     for overlay in overlays(args.only):
         result["runs"][overlay.stem] = run_fit(config, overlay, args)
+        for earlier in result["sessions"][:-1]:  # a method measured again keeps only its newest run
+            earlier["runs"] = [name for name in earlier["runs"] if name != overlay.stem]
         session["runs"].append(overlay.stem)
         bu.write_result(f"credit_cost_{config.stem}", result)  # after every run: a stopped run keeps what it measured
         print(f"{overlay.stem}: step {result['runs'][overlay.stem].get('time/step_s', float('nan')):.3f} s", flush=True)

@@ -3,7 +3,7 @@
     python benchmarks/decode.py                          # SmolLM2-135M-Instruct, bf16 and fp32, batch 8
     python benchmarks/decode.py --threads 1 --lora_r 16  # also the engine over a LoRA model, merged and not
     python benchmarks/decode.py --model tiny --steps 4 --repeats 1 --bandwidth_mib 64   # seconds
-    python benchmarks/decode.py --compile               # also the decode-loop backend's compiled step
+    python benchmarks/decode.py --compile               # also the decode loop's step under torch.compile
 
 Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prompt_tokens`` random tokens:
 
@@ -148,7 +148,8 @@ def loop_rows(model: Any, tokenizer: Any, prompts: list[list[int]], args: argpar
         engine = DecodeLoopEngine(model, tokenizer, cache=cache)
         row[f"loop_{cache}_ms"] = engine_decode_ms(engine, prompts, args.steps, args.repeats)
     if args.compile:
-        engine = DecodeLoopEngine(model, tokenizer, compile=True)
+        engine = DecodeLoopEngine(model, tokenizer, cache="static", drop_finished=False)
+        engine._step = torch.compile(engine._step, dynamic=False)  # the backend has no such option: measured here
         settings = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=2)
         first = _timed(engine.generate, prompts, settings)  # compiles (prompt + 2 and + steps share a cache length)
         row["loop_compile_warmup_s"] = first - _timed(engine.generate, prompts, settings)

@@ -30,7 +30,7 @@ Weights are float32 unless ``--dtype bfloat16`` (or ``auto`` on a CPU with bf16 
 on both sides; ``--lora_r`` adds fresh LoRA adapters (alpha 2r, every linear layer; B starts at zero,
 so the sampled tokens match the full-weight run's) that ours samples through merged weights unless
 ``--merge_adapters false``. ``--backend decode_loop`` runs ours through ``DecodeLoopEngine`` (its own
-decode loop; ``--cache``, ``--drop_finished`` and ``--compile`` are its options) instead of
+decode loop; ``--cache`` and ``--drop_finished`` are its options) instead of
 ``RolloutEngine`` (``model.generate``). Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
 ``_lora<r>``, ``_unmerged``, ``_decode_loop...`` added to the name).
 """
@@ -67,7 +67,7 @@ from lightning_memrl.workflows.base import split_context
 
 SMALL = {"tasks": 2, "group": 4, "chunks": 3, "chunk_tokens": 256, "memory_tokens": 64}
 EPISODE_KEYS = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
-EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "backend", "cache", "drop_finished", "compile"]
+EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "backend", "cache", "drop_finished"]
 EPISODE_KEYS += ["threads", "seed"]  # with threads and seed: a worker's
 LABELS = {
     "wall_s": "wall time (s)",
@@ -107,7 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"], help="decode_loop: its KV cache")
     parser.add_argument("--drop_finished", default="true", choices=["true", "false"], help="decode_loop: drop EOS rows")
-    parser.add_argument("--compile", default="false", choices=["true", "false"], help="decode_loop: compile the step")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads of each side")
     parser.add_argument("--seed", type=int, default=0, help="task and sampling seed")
     parser.add_argument("--sides", default="ours,naive", help="comma-separated sides to run: ours, naive")
@@ -219,7 +218,7 @@ def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Rollou
     merge = args.merge_adapters == "true"
     if args.backend == "generate":
         return RolloutEngine(model, tokenizer, merge_adapters=merge)
-    options = {"cache": args.cache, "drop_finished": args.drop_finished == "true", "compile": args.compile == "true"}
+    options = {"cache": args.cache, "drop_finished": args.drop_finished == "true"}
     return DecodeLoopEngine(model, tokenizer, merge_adapters=merge, **options)
 
 
@@ -305,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     headers, rows = bu.comparison_table(LABELS, results, sides, ratios, names, "ours / naive")
     tag = bu.model_tag(args.model) + ("_small" if args.small else "") + (f"_{args.tag}" if args.tag else "")
     if args.backend == "decode_loop":
-        tag += f"_decode_loop_{args.cache}" + ("_compiled" if args.compile == "true" else "")
+        tag += f"_decode_loop_{args.cache}"
         tag += "" if args.drop_finished == "true" else "_keep_finished"
     if args.lora_r:
         tag += f"_lora{args.lora_r}" + ("" if args.merge_adapters == "true" else "_unmerged")

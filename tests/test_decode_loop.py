@@ -152,8 +152,6 @@ def test_unsupported_settings_fall_back_to_generate_counted_and_logged_once(shar
 def test_bad_options_stop_naming_the_option(tiny_model, tiny_tokenizer):
     with pytest.raises(ConfigError, match="rollout.init_args.cache must be 'static' or 'dynamic'"):
         DecodeLoopEngine(tiny_model, tiny_tokenizer, cache="paged")
-    with pytest.raises(ConfigError, match="compile needs fixed shapes: set cache: static"):
-        DecodeLoopEngine(tiny_model, tiny_tokenizer, cache="dynamic", compile=True)
 
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)])
@@ -201,7 +199,7 @@ def test_chosen_from_yaml_and_trains(tmp_path, monkeypatch):
     module.configure_model()
     engine = module.engine
     assert type(engine) is DecodeLoopEngine and engine.model is module.policy
-    assert (engine.cache, engine.drop_finished, engine.compile) == ("static", True, False)
+    assert (engine.cache, engine.drop_finished) == ("static", True)
     quiet_trainer(tmp_path, steps=2).fit(module, cli.datamodule)
     assert module.global_step == 2 and engine.fallbacks == {}
     assert 0 <= float(module.trainer.callback_metrics["train/logprob_gap"]) < 1e-3
