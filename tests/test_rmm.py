@@ -127,7 +127,9 @@ def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
     (trajectory,) = workflow.rollout(engine, [tasks[3]], SAMPLED)  # "Who teaches Ben?"
     assert [(t.kind, t.trainable) for t in trajectory.turns] == [(ANSWER_TURN, True)]
     assert trajectory.final_text == "\\boxed{Rosa}"  # citations are not part of the answer
-    assert len(trajectory.info["shown_ids"]) == 2 and trajectory.info["citation_rewards"] == [1.0, -1.0]
+    assert len(trajectory.info["shown_ids"]) == 2
+    cited = trajectory.info["shown_order"][0]  # "[1]" names the memory displayed first (the display is shuffled)
+    assert trajectory.info["citation_rewards"] == [1.0 if i == cited else -1.0 for i in range(2)]
     shown_prompt = engine.calls[-1][0]
     assert "[1]" in shown_prompt and "[2]" in shown_prompt and "[3]" not in shown_prompt.split("Question")[0]
     loss, metrics = workflow.module_loss(None), workflow.step_metrics(None)
@@ -137,7 +139,7 @@ def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
     assert workflow.module_loss(None) is None and workflow.step_metrics(None) == {}  # taken
     assert workflow.baseline == pytest.approx(0.0)  # 0.9 * 0 + 0.1 * mean reward 0
     metrics = workflow.evaluation_metrics(trajectory)
-    assert metrics["evidence_recall_at_k"] == 1.0  # D3:1 and D1:2 are both among the 3 candidates
+    assert metrics["evidence_recall_at_k"] == 1.0  # D3:1 and D1:2 are both among the 4 candidates
     assert metrics["citation_reward"] == 0.0
     with torch.no_grad():
         workflow.rollout(engine, [tasks[3]], GREEDY)

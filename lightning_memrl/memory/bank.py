@@ -189,9 +189,12 @@ class MemoryBank:
             values = (self._index @ query_vec).tolist()  # [n]
         return [(self._entries[i], float(v)) for i, v in zip(ids, values)]
 
-    def retrieve(self, query: str, k: int = 5, min_score: float = 0.0) -> list[tuple[MemoryEntry, float]]:
-        """The ``k`` best entries for ``query`` with score above ``min_score``, best first (newer wins ties)."""
-        scored = [(e, s, age) for age, (e, s) in enumerate(self.scores(query)) if s > min_score]
+    def retrieve(self, query: str, k: int = 5, min_score: float | None = 0.0) -> list[tuple[MemoryEntry, float]]:
+        """The ``k`` best entries for ``query``, best first (newer wins ties).
+
+        Only entries scoring above ``min_score`` count (None: every entry, whatever its score).
+        """
+        scored = [(e, s, age) for age, (e, s) in enumerate(self.scores(query)) if min_score is None or s > min_score]
         scored.sort(key=lambda item: (-item[1], -item[2]))
         return [(e, s) for e, s, _ in scored[: max(k, 0)]]
 

@@ -9,12 +9,16 @@ from (shown with it when ``show_raw``).
 Retrospective reflection: for a question, retrieval returns the top ``top_k`` entries (K); a
 :class:`Reranker` — linear adapters with residual connections over query and memory embeddings,
 dot-product scores — keeps ``top_m`` of them (M), sampled with Gumbel noise during training and
-the best M at evaluation. The generator answers and cites the memories it used; each shown memory
-gets a citation reward (+1 cited, −1 not), and the reranker is trained by REINFORCE,
+the best M at evaluation. During training the M memories are shown in a random order
+(``shuffle_shown``), so that citing "the first two" does not reward the reranker's top picks. The
+generator answers and cites the memories it used; each shown memory gets a citation reward (+1
+cited, −1 not), and the reranker is trained by REINFORCE,
 ``loss = −Σ_i (r_i − b)·log softmax(s/τ)_i`` with a running-mean baseline ``b``. That loss is the
 workflow's :meth:`module_loss`: ``MemRLModule`` backpropagates it in the same training step, and
 the reranker is registered as a module, so its parameters are in the optimizer and the checkpoint.
 The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
+``reranker_reward: evidence`` replaces the citation reward by one read from the data's evidence
+annotations (not RMM's, see :class:`RMMWorkflow`).
 
 Prospective reflection is never trained: it runs greedily on the workflow's ``frozen_engine`` (a
 model that does not train, see :mod:`lightning_memrl.workflows.bank`), once per conversation, and
@@ -25,9 +29,8 @@ the bank is cached; a log line names the model that built it. The generator is t
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +44,30 @@ from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import MEMORY_TURN, RolloutBatch, Task, Trajectory, Turn
 from lightning_memrl.workflows.bank import BankWorkflow, answer_part, conversation_of, parse_items, record_shown
+from lightning_memrl.workflows.rmm_reranker import (
+    RERANKER_REWARDS,
+    Reranker,
+    citation_rewards,
+    evidence_rewards,
+    gumbel_top_m,
+    parse_citations,
+    reinforce_loss,
+    selection_log_probs,
+    shown_order,
+    strip_citations,
+    varied_group_share,
+)
+
+__all__ = [
+    "Reranker",
+    "RMMWorkflow",
+    "citation_rewards",
+    "evidence_rewards",
+    "gumbel_top_m",
+    "parse_citations",
+    "reinforce_loss",
+    "selection_log_probs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,78 +89,12 @@ DEFAULT_MERGE_TEMPLATE = (
 )
 
 
+# No literal citation example: a small generator copies one ("Citations: [1, 2]") whatever it was shown.
 DEFAULT_ANSWER_TEMPLATE = (
     "Memories from a conversation between {speaker_a} and {speaker_b}:\n{memories}\n\nQuestion: {question}\n\n"
     "Answer briefly, then list the numbers of the memories you used:\n"
-    "Answer: \\boxed{{answer}}\nCitations: [1, 2]"
+    "Answer: \\boxed{{answer}}\nCitations: [numbers of the memories you used]"
 )
-
-
-# --------------------------------------------------------------------------- the reranker
-class Reranker(nn.Module):
-    """Scores ``s_k = (m_k + A_m m_k) · (q + A_q q)``: residual linear adapters, identity at start.
-
-    Args:
-        dim: embedding size.
-    """
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.query_adapter = nn.Linear(dim, dim)
-        self.memory_adapter = nn.Linear(dim, dim)
-        for layer in (self.query_adapter, self.memory_adapter):  # start as plain dot-product retrieval
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
-
-    def forward(self, query: Tensor, memories: Tensor) -> Tensor:
-        """``query`` [D], ``memories`` [K, D] -> scores [K]."""
-        q = query + self.query_adapter(query)  # [D]
-        m = memories + self.memory_adapter(memories)  # [K, D]
-        return m @ q  # [K]
-
-
-def gumbel_top_m(scores: Tensor, m: int, temperature: float, noise: bool = True, generator: Any = None) -> Tensor:
-    """Indices [min(m, K)] of the top entries of ``scores / temperature`` (+ Gumbel noise when ``noise``)."""
-    logits = scores.detach() / temperature  # [K]
-    if noise:
-        uniform = torch.rand(logits.shape, generator=generator).clamp(1e-9, 1 - 1e-9).to(logits.device)
-        logits = logits - torch.log(-torch.log(uniform))
-    return torch.topk(logits, min(m, logits.numel())).indices
-
-
-def selection_log_probs(scores: Tensor, indices: Tensor, temperature: float) -> Tensor:
-    """``log softmax(scores / temperature)`` [K] at the selected ``indices`` -> [M]."""
-    return torch.log_softmax(scores / temperature, dim=-1)[indices]
-
-
-def parse_citations(text: str, num_shown: int) -> set[int]:
-    """0-based positions of the memories a response cites (numbers 1..``num_shown``).
-
-    Reads the numbers after the last "citation(s):" when there is one, else every number inside
-    square brackets (``[1][3]``, ``[1, 3]``).
-    """
-    lower = text.lower()
-    index = lower.rfind("citation")
-    if index >= 0:
-        numbers = re.findall(r"\d+", text[index:])
-    else:
-        numbers = [n for group in re.findall(r"\[([\d,\s]+)\]", text) for n in re.findall(r"\d+", group)]
-    return {int(n) - 1 for n in numbers if 1 <= int(n) <= num_shown}
-
-
-def citation_rewards(cited: set[int], num_shown: int) -> Tensor:
-    """+1 for each shown memory the generator cited, −1 for each it did not -> [num_shown]."""
-    return torch.tensor([1.0 if i in cited else -1.0 for i in range(num_shown)])
-
-
-def reinforce_loss(log_probs: Tensor, rewards: Tensor, baseline: float) -> Tensor:
-    """``−Σ_i (r_i − b)·log p_i``: descending it raises the probability of memories with r_i > b."""
-    return -((rewards.to(log_probs.device) - baseline) * log_probs).sum()
-
-
-def _strip_citations(answer: str) -> str:
-    answer = re.split(r"citations?\s*:", answer, flags=re.IGNORECASE)[0]
-    return re.sub(r"\[[\d,\s]+\]", " ", answer).strip()
 
 
 # --------------------------------------------------------------------------- the workflow
@@ -148,6 +109,17 @@ class RMMWorkflow(BankWorkflow):
         top_m: memories the reranker keeps and the generator sees (RMM's M).
         temperature: softmax temperature τ of the reranker's selection distribution.
         gumbel: sample the top M with Gumbel noise during training (evaluation takes the best M).
+        shuffle_shown: show the M kept memories in a random order during training (recorded in
+            ``info["shown_order"]``; citations are mapped back), so that a generator citing the first
+            numbers does not reward the reranker's top picks. Evaluation keeps the reranker's order.
+        min_retrieval_score: first-stage candidates must score above it (None: no cut, the top
+            ``top_k`` are always filled; 0.0 drops entries sharing no term with the question under BM25).
+        reranker_reward: what rewards a shown memory in the reranker's REINFORCE update. ``citation``
+            (RMM): +1 when the generator cites it, −1 otherwise. ``evidence`` (NOT RMM's): +1 when its
+            source turns overlap the question's annotated evidence ``dia_id``s, −1 otherwise, a supervised
+            signal from LoCoMo's annotations, useful when the generator is too small to cite; results
+            with it are not RMM's. Questions without evidence then give the reranker no loss (counted
+            in ``reranker/no_evidence``). Validation is the same for both (evidence recall).
         embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra):
             the reranker's vectors, and those of ``retriever: dense``.
         embedding_dim: size of ``hashing`` embeddings.
@@ -176,6 +148,9 @@ class RMMWorkflow(BankWorkflow):
         top_m: int = 5,
         temperature: float = 0.5,
         gumbel: bool = True,
+        shuffle_shown: bool = True,
+        min_retrieval_score: float | None = None,
+        reranker_reward: Literal["citation", "evidence"] = "citation",
         embedding: str = "hashing",
         embedding_dim: int = 256,
         embedding_model: str | None = None,
@@ -202,6 +177,8 @@ class RMMWorkflow(BankWorkflow):
             raise ValueError(f"workflow needs 1 <= top_m <= top_k, got top_m={top_m}, top_k={top_k}")
         if temperature <= 0 or not 0 <= baseline_momentum < 1:
             raise ValueError("workflow temperature must be > 0 and baseline_momentum in [0, 1)")
+        if reranker_reward not in RERANKER_REWARDS:
+            raise ValueError(f"workflow reranker_reward must be one of {RERANKER_REWARDS}, got {reranker_reward!r}")
         check_placeholders(
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
@@ -210,6 +187,8 @@ class RMMWorkflow(BankWorkflow):
         self.module_lr = reranker_lr
         self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
         self.temperature, self.gumbel = temperature, gumbel
+        self.shuffle_shown, self.min_retrieval_score = shuffle_shown, min_retrieval_score
+        self.reranker_reward = reranker_reward
         self.baseline_momentum, self.baseline = baseline_momentum, 0.0
         self.train_generator, self.show_raw = train_generator, show_raw
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
@@ -301,11 +280,17 @@ class RMMWorkflow(BankWorkflow):
         return self.train_generator
 
     def show_memories(self, trajectories: list[Trajectory], banks: list[MemoryBank], training: bool) -> list[str]:
-        """The ``top_m`` of the ``top_k`` retrieved memories that the reranker keeps (sampled when training)."""
+        """The ``top_m`` of the ``top_k`` retrieved memories that the reranker keeps (sampled when training).
+
+        ``info["shown_ids"]`` lists them in the reranker's order, ``info["shown_order"][j]`` is the one
+        displayed as ``[j + 1]`` (shuffled while training when ``shuffle_shown``), and
+        ``info["evidence_rewards"]`` their evidence rewards (None when the question has no evidence).
+        """
         device = self.reranker.query_adapter.weight.device
         self._selections, rendered = [], []
         for trajectory, bank in zip(trajectories, banks):
-            candidates = [e for e, _ in bank.retrieve(trajectory.task.question, self.top_k)]
+            retrieved = bank.retrieve(trajectory.task.question, self.top_k, self.min_retrieval_score)
+            candidates = [e for e, _ in retrieved]
             trajectory.info["candidate_source_ids"] = sorted({s for e in candidates for s in e.source_ids})
             shown: list[MemoryEntry] = []
             selection = None
@@ -317,18 +302,25 @@ class RMMWorkflow(BankWorkflow):
                 selection, shown = (scores, chosen), [candidates[i] for i in chosen.tolist()]
             self._selections.append(selection)
             record_shown(trajectory, shown)
+            order = shown_order(len(shown), training and self.shuffle_shown)
+            evidence = trajectory.task.meta.get("evidence") or []
+            sources = [e.source_ids for e in shown]
+            trajectory.info["shown_order"] = order
+            trajectory.info["evidence_rewards"] = evidence_rewards(sources, evidence).tolist() if evidence else None
             conversation = conversation_of(trajectory.task)
-            rendered.append(
-                "\n".join(self._render(k + 1, e, conversation) for k, e in enumerate(shown)) or "(no memories)"
-            )
+            lines = [self._render(j + 1, shown[i], conversation) for j, i in enumerate(order)]
+            rendered.append("\n".join(lines) or "(no memories)")
         return rendered
 
     def read_answer(self, trajectory: Trajectory, response: str) -> str:
-        """The answer without citations; the cited memories and their rewards (+1/−1) go to ``info``."""
-        cited = parse_citations(response, len(trajectory.info["shown_ids"]))
-        rewards = citation_rewards(cited, len(trajectory.info["shown_ids"]))  # [M]
+        """The answer without citations; the cited memories (indices into ``info["shown_ids"]``, mapped
+        back through ``info["shown_order"]``) and their citation rewards (+1/−1) go to ``info``."""
+        num_shown = len(trajectory.info["shown_ids"])
+        order = trajectory.info.get("shown_order") or list(range(num_shown))
+        cited = {order[position] for position in parse_citations(response, num_shown)}
+        rewards = citation_rewards(cited, num_shown)  # [M], in the reranker's order
         trajectory.info.update(cited=sorted(cited), citation_rewards=rewards.tolist())
-        return _strip_citations(answer_part(response))
+        return strip_citations(answer_part(response))
 
     def rollout(self, engine: RolloutBackend, tasks: list[Task], settings: GenerationSettings) -> list[Trajectory]:
         """The bank workflow's rollout; a training rollout also readies the reranker's loss (:meth:`module_loss`)."""
@@ -338,25 +330,37 @@ class RMMWorkflow(BankWorkflow):
         return trajectories
 
     def _reranker_update(self, trajectories: list[Trajectory]) -> tuple[Tensor | None, dict[str, float]]:
-        """REINFORCE loss of the last selections under the citation rewards; moves the baseline ``b``."""
-        losses, rewards_all = [], []
+        """REINFORCE loss of the last selections under the ``reranker_reward``; moves the baseline ``b``."""
+        losses, used, citations, group_keys, means, no_evidence = [], [], [], [], [], 0
         for trajectory, selection in zip(trajectories, self._selections):
-            rewards = torch.tensor(trajectory.info["citation_rewards"])  # [M]
+            citations.append(torch.tensor(trajectory.info["citation_rewards"]))
+            reward = trajectory.info["citation_rewards" if self.reranker_reward == "citation" else "evidence_rewards"]
+            if reward is None:  # evidence reward for a question without evidence: no signal
+                no_evidence += 1
+                continue
+            rewards = torch.tensor(reward)  # [M]
             if selection is not None and torch.is_grad_enabled():
                 scores, chosen = selection
                 losses.append(
                     reinforce_loss(selection_log_probs(scores, chosen, self.temperature), rewards, self.baseline)
                 )
-            rewards_all.append(rewards)
+            used.append(rewards)
+            group_keys.append(trajectory.task.id or trajectory.task.question)
+            means.append(float(rewards.mean()) if rewards.numel() else 0.0)
         self._selections = []
-        flat = torch.cat(rewards_all) if rewards_all else torch.zeros(0)
+        flat, cited = (torch.cat(x) if x else torch.zeros(0) for x in (used, citations))
         mean_reward = float(flat.mean()) if flat.numel() else 0.0
         metrics = {
             "reranker/loss": float(torch.stack(losses).detach().mean()) if losses else 0.0,
-            "reranker/citation_reward": mean_reward,
+            "reranker/reward": mean_reward,
+            "reranker/citation_reward": float(cited.mean()) if cited.numel() else 0.0,
             "reranker/baseline": self.baseline,
-            "reranker/cited_frac": float((flat > 0).float().mean()) if flat.numel() else 0.0,
+            "reranker/cited_frac": float((cited > 0).float().mean()) if cited.numel() else 0.0,
+            "reranker/shown_mean": sum(len(t.info["shown_ids"]) for t in trajectories) / max(len(trajectories), 1),
+            "reranker/reward_varied_groups": varied_group_share(group_keys, means),
         }
+        if self.reranker_reward == "evidence":
+            metrics["reranker/no_evidence"] = float(no_evidence)
         if flat.numel():
             self.baseline = self.baseline_momentum * self.baseline + (1 - self.baseline_momentum) * mean_reward
         return (torch.stack(losses).mean() if losses else None), metrics
@@ -367,7 +371,7 @@ class RMMWorkflow(BankWorkflow):
         return loss
 
     def step_metrics(self, rollouts: RolloutBatch) -> dict[str, float]:
-        """The reranker's loss, citation reward, baseline and cited fraction of the last training rollout (taken)."""
+        """The reranker's loss, rewards, baseline, cited fraction and shown count of the last training rollout."""
         metrics, self._pending_metrics = self._pending_metrics, {}
         return metrics
 
