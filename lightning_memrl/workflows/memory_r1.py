@@ -40,7 +40,6 @@ from lightning_memrl.workflows.bank import (
     BankWorkflow,
     Segment,
     answer_part,
-    conversation_of,
     parse_items,
     record_shown,
 )
@@ -314,7 +313,8 @@ class MemoryR1Workflow(BankWorkflow):
         """Also ``valid_operations``: the share of the manager's outputs that were usable operations
         when the (greedy) bank this question was answered from was built."""
         metrics = super().evaluation_metrics(trajectory)
-        metrics["valid_operations"] = self._valid_ops.get(conversation_of(trajectory.task).id)
+        conversation = trajectory.task.meta.get("conversation")  # None: no bank was built for this task
+        metrics["valid_operations"] = self._valid_ops.get(conversation.id) if conversation is not None else None
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
