@@ -253,6 +253,13 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def allocator_setting() -> str:
+    """How the worker's allocator runs: the module's ``malloc_trim`` between phases, or the user's choice."""
+    from lightning_memrl.allocator import user_choice
+
+    return user_choice(os.environ) or "malloc_trim between phases (default)"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.worker:
@@ -266,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "overrides": args.overrides,
         "steps": args.steps,
         "warmup": args.warmup,
+        "allocator": allocator_setting(),
     }
     result["rss"] = rss = bu.run_worker(script, worker_argv(args, "rss"), "memory profile")
     result["step_peak_over_weights"] = rss["step_peak_above_import_mib"] / rss["policy_weights_mib"]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_memrl import distributed, guards, losses
+from lightning_memrl import allocator, distributed, guards, losses
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.rewards import RewardFunction
 from lightning_memrl.rollout.base import RolloutBackend
@@ -198,6 +198,7 @@ def update(module: Trainee, rollouts: RolloutBatch) -> dict[str, float]:
     batches, real_batches = distributed.equalize_micro_batches(batches)  # same pass count on every rank
     real_batches = 0 if placeholder else real_batches
     old_lp, ref_lp, ref_time = old_and_reference_logprobs(module, rollouts, batches)
+    allocator.trim()
     sums: dict[str, float] = {}
     loss_total, grad_norm = 0.0, 0.0
     logprob_gap, skipped = 0.0, 0
@@ -314,6 +315,7 @@ def epoch_backward(
         prompts, ids, m = _rows(rollouts, idx)
         width = ids.shape[1]
         logprobs, entropy = module.sequence_logprobs(module.policy, prompts, ids, m, with_entropy=True)
+        allocator.trim()  # the logits chunks' temporaries, freed, before the loss and backward allocate
         m_dev = m.to(module.device).bool()
         old = old_lp[b] if module.grpo.ppo_epochs > 1 else logprobs.detach()
         if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
@@ -332,6 +334,7 @@ def epoch_backward(
         if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
             loss, stats = loss * 0.0, {}
         module.manual_backward(loss)
+        allocator.trim()  # the freed activations back to the system: RSS follows what is live
         epoch_loss += float(loss.detach())
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + float(value)

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_memrl import adapter_files, console, distributed, guards, learner
+from lightning_memrl import adapter_files, allocator, console, distributed, guards, learner
 from lightning_memrl.adapters import check_base_reference
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
@@ -235,6 +235,7 @@ class MemRLModule(L.LightningModule):
         with generation_mode(self.policy, frozen, self.device):
             trajectories = self.workflow.rollout(self.engine, tasks, settings)
         self.engine.release_memory()  # e.g. merged LoRA weights: not kept through the update
+        allocator.trim()  # the KV caches' freed heap pages back to the system before the update
         return RolloutBatch.from_trajectories(trajectories, self.grpo.group_size, self.engine.pad_id)
 
     def score(self, rollouts: RolloutBatch) -> None:
