@@ -179,9 +179,10 @@ def run_arm(
 ) -> dict:
     """Train (unless ``base``) and validate one arm; write its files under ``out``; return its result."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (out / "config.yaml").write_text(yaml.safe_dump(_repo_relative_paths(config), sort_keys=False))
     work = Path(tempfile.mkdtemp(prefix=f"memrl-ablation-{arm}-"))
-    common = ["--config", str(out / "config.yaml"), "--seed_everything", str(seed), *extra]
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))  # the run's copy: absolute paths
+    common = ["--config", str(work / "config.yaml"), "--seed_everything", str(seed), *extra]
     if arm == "base":
         wall = run_cli(["validate", *common], work, in_process)
     else:
@@ -227,6 +228,18 @@ def _absolute_paths(tree: Any, folder: Path) -> Any:
     if isinstance(tree, str) and tree.endswith(FILE_SUFFIXES) and not Path(tree).is_absolute():
         if (folder / tree).is_file():
             return str((folder / tree).resolve())
+    return tree
+
+
+def _repo_relative_paths(tree: Any) -> Any:
+    """The absolute file options of :func:`_absolute_paths` under the repository, relative to its root again:
+    the config saved with the results names files as the repository does, not as this machine does."""
+    if isinstance(tree, dict):
+        return {k: _repo_relative_paths(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_repo_relative_paths(v) for v in tree]
+    if isinstance(tree, str) and Path(tree).is_absolute() and Path(tree).is_relative_to(ROOT):
+        return str(Path(tree).relative_to(ROOT))
     return tree
 
 

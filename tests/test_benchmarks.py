@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
@@ -104,7 +105,6 @@ def test_rollout_backend_option_reaches_the_worker(bench, tiny_model, tiny_token
 
 
 def test_ablation_composes_overlays_without_dropping_the_base_rewards(bench):
-    import yaml
 
     ablation = importlib.import_module("ablation")
     root = BENCHMARKS.parent
@@ -123,6 +123,17 @@ def test_ablation_composes_overlays_without_dropping_the_base_rewards(bench):
     assert info["trainer"]["callbacks"][1]["init_args"]["answer_pattern"] == r"\b\d{4}\b" and notes
     with pytest.raises(SystemExit, match=r"bad.yaml: sets the list model.init_args.generation.stop_strings"):
         ablation.compose_arm(base, {"model": {"init_args": {"generation": {"stop_strings": ["x"]}}}}, tiny, "bad.yaml")
+
+
+def test_ablation_saves_file_options_relative_to_the_repository(bench):
+    ablation = importlib.import_module("ablation")
+    config_path = BENCHMARKS.parent / "configs" / "memagent" / "multichunk.yaml"
+    run_config = ablation._absolute_paths(yaml.safe_load(config_path.read_text()), config_path.parent)
+    lora = run_config["model"]["init_args"]["lora"]
+    assert Path(lora).is_absolute() and Path(lora).is_file()  # what the run reads, from any folder
+    saved = ablation._repo_relative_paths(run_config)
+    assert saved["model"]["init_args"]["lora"] == "configs/shared/smollm2_lora.yaml"
+    assert saved["trainer"] == run_config["trainer"]  # nothing else changes
 
 
 def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeypatch):
