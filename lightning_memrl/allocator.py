@@ -7,14 +7,16 @@ logits chunk and KV cache is below the raised threshold, so it comes from the he
 block stays resident: RSS climbs to the sum of what each phase ever held rather than what is live.
 
 :func:`trim` (``malloc_trim(0)``) hands the heap's free pages back; the module calls it after the
-rollout, after the old/reference log-probs and after each micro-batch's backward. Measured on the
-quickstart step (``benchmarks/memory_profile.py``, 2 steps, bf16 base): peak RSS above the
-post-import baseline 4.4 GiB → 2.7 GiB, RSS after the step 3.8 GiB → 0.9 GiB, for about 7% more step
-time (the freed pages fault in again). Fixing the mmap threshold at 1 MiB instead
-(``MALLOC_MMAP_THRESHOLD_=1048576``) gave the same peak but cost 25–55% per phase, so it is not the
-default; a user who prefers it (or another allocator in ``LD_PRELOAD``) sets it, and then nothing
-here runs. ``LIGHTNING_MEMRL_MALLOC=glibc`` also keeps glibc as it is. Elsewhere (macOS, Windows,
-musl) nothing happens.
+rollout, after the old/reference log-probs and after each micro-batch's forward and backward.
+Measured on the quickstart step (``benchmarks/memory_profile.py --steps 2``, bf16 base, README
+"Memory, phase by phase"): peak RSS above the post-import baseline 4489 → 3174 MiB (gradient
+checkpointing on: 2167 → 1422 MiB), RSS left after the step 3852 → 1326 MiB, median step time within
+noise (28.3 s against 29.2 s untrimmed over five steps). Fixing the mmap threshold at 1 MiB instead
+(``MALLOC_MMAP_THRESHOLD_=1048576``) gave a peak of 2838 MiB but slowed the rollout by 21% and the
+forward and backward by 57% and 45% (page faults), so it is not the default; a user who prefers it
+(or another allocator in ``LD_PRELOAD``) sets it, and then nothing here runs.
+``LIGHTNING_MEMRL_MALLOC=glibc`` also keeps glibc as it is. Elsewhere (macOS, Windows, musl) nothing
+happens.
 """
 
 from __future__ import annotations

@@ -142,3 +142,15 @@ def test_a_step_with_every_turn_skipped_moves_weights_and_moments_as_the_full_pa
     for a, b in zip(full_opt.state.values(), opt.state.values()):
         for key in a:
             torch.testing.assert_close(a[key], b[key], atol=0.0, rtol=0.0)
+
+
+def test_the_update_hands_freed_memory_back_after_each_pass(rollouts, monkeypatch):
+    """``allocator.trim`` runs after the old/reference log-probs and after each micro-batch's forward and backward."""
+    from lightning_memrl import allocator
+
+    trims = []
+    monkeypatch.setattr(allocator, "trim", lambda: trims.append(1))
+    _, calls, stats = _grads(rollouts, [1.0, 0.0, 1.0, 0.0], micro_batch_tokens=64)
+    passes = int(stats["micro_batches"])
+    assert passes >= 2 and len(calls) == passes
+    assert len(trims) == 1 + 2 * passes
