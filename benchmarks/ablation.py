@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_utils as bu
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,6 +180,7 @@ def run_arm(
 ) -> dict:
     """Train (unless ``base``) and validate one arm; write its files under ``out``; return its result."""
     out.mkdir(parents=True, exist_ok=True)
+    machine = bu.machine(int(os.environ.get("OMP_NUM_THREADS", "0")))  # 0: the CLI picks its threads; code at start
     (out / "config.yaml").write_text(yaml.safe_dump(_repo_relative_paths(config), sort_keys=False))
     work = Path(tempfile.mkdtemp(prefix=f"memrl-ablation-{arm}-"))
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))  # the run's copy: absolute paths
@@ -207,6 +209,7 @@ def run_arm(
         "train_memory_tokens": _csv_mean(metrics if arm != "base" else None, "train/memory_length"),
         "step_time_s": _csv_mean(metrics if arm != "base" else None, "time/step_s"),
         "wall_s": wall,
+        "machine": machine,
     }
     shutil.rmtree(work, ignore_errors=True)
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # last: marks the run finished

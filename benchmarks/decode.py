@@ -41,6 +41,7 @@ import torch
 from lightning_memrl import GenerationSettings, LoraSettings, RolloutEngine
 from lightning_memrl.models import load_policy, load_tokenizer
 from lightning_memrl.rollout.decode_loop import DecodeLoopEngine
+from lightning_memrl.rollout.packed import PackedLinears
 
 WORK_KEYS = ("batch", "prompt_tokens", "steps", "repeats", "lora_r", "compile", "seed")
 LABELS = {
@@ -52,6 +53,9 @@ LABELS = {
     "loop_dynamic_ms": "decode-loop backend, dynamic cache (ms)",
     "loop_compiled_ms": "decode-loop backend, compiled step (ms)",
     "loop_compile_warmup_s": "compile warm-up, first call (s)",
+    "bare_packed_ms": "bare step, oneDNN-packed weights (ms)",
+    "engine_unpacked_ms": "our engine, weights not packed (`pack_weights: false`) (ms)",
+    "pack_s": "packing the weights, once per rollout (s)",
     "engine_lora_merged_ms": "engine, LoRA merged (ms)",
     "engine_lora_unmerged_ms": "engine, LoRA through peft (ms)",
     "bare_over_floor": "bare / floor",
@@ -168,7 +172,15 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
     torch.manual_seed(args.seed)
     row = {"weights_mib": weight_bytes(model) / 2**20, "floor_ms": weight_bytes(model) / bandwidth * 1e3}
     row["bare_ms"] = bare_decode_ms(model, prompts, args.steps)
+    packed = PackedLinears(model)
+    start = time.perf_counter()
+    with packed.swapped():
+        row["pack_s"] = time.perf_counter() - start
+        row["bare_packed_ms"] = bare_decode_ms(model, prompts, args.steps)
+    packed.release()
     row["engine_ms"] = engine_decode_ms(RolloutEngine(model, tokenizer), prompts.tolist(), args.steps, args.repeats)
+    unpacked = RolloutEngine(model, tokenizer, pack_weights=False)
+    row["engine_unpacked_ms"] = engine_decode_ms(unpacked, prompts.tolist(), args.steps, args.repeats)
     row.update(loop_rows(model, tokenizer, prompts.tolist(), args))
     del model
     if args.lora_r:
@@ -184,6 +196,7 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
     row["bare_over_floor"] = row["bare_ms"] / row["floor_ms"]
     row["engine_over_floor"] = row["engine_ms"] / row["floor_ms"]
     row["engine_over_bare"] = row["engine_ms"] / row["bare_ms"]
+    row["packed_over_unpacked"] = row["engine_ms"] / row["engine_unpacked_ms"]
     row["loop_over_floor"] = row["loop_static_ms"] / row["floor_ms"]
     row["loop_over_engine"] = row["loop_static_ms"] / row["engine_ms"]
     return row

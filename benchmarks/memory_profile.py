@@ -19,10 +19,13 @@ phase is the maximum over its calls in the measured steps.
 
 The result is the step's peak RSS minus the post-import RSS, against the bytes of the policy's
 weights (``bench_utils.param_mib``). ``--torch_profile`` adds, from a second worker, a
-``torch.profiler`` (``profile_memory``) record of one step: the live tensor bytes by category
-(parameter, activation, gradient, optimizer state, temporary, ...) at the step's peak, the largest
-tensors alive then, and the operators that allocated the most memory. The profiler's own
-book-keeping inflates RSS, so that worker's RSS is not reported.
+``torch.profiler`` (``profile_memory``) record of one step's update (old and reference log-probs,
+forward, backward, optimizer; ``--profile_phase step`` adds the rollout): the live tensor bytes by
+category (parameter, activation, gradient, optimizer state, temporary, ...) at the peak, the largest
+tensors alive then, and the operators that allocated the most memory. The profiler keeps a record
+of every allocation: a whole quickstart step (the rollout's thousands of small decode operators
+included) outgrew 24 GiB of RAM, hence the update alone by default. The profiler's own book-keeping
+inflates RSS, so that worker's RSS is not reported.
 
 Writes ``benchmarks/results/memory_profile_<config>.json`` and prints a markdown table.
 """
@@ -30,7 +33,6 @@ Writes ``benchmarks/results/memory_profile_<config>.json`` and prints a markdown
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -54,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=0, help="steps run before measuring (their peaks are left out)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--torch_profile", action="store_true", help="also a tensor-level profile of one step")
+    parser.add_argument(
+        "--profile_phase",
+        default="update",
+        choices=["update", "step"],
+        help="what --torch_profile records: the update of one step (default) or the whole step",
+    )
     parser.add_argument("--top", type=int, default=12, help="rows of the tensor and operator lists")
     parser.add_argument("--tag", default="", help="suffix of the result file (e.g. before/after a change)")
     parser.add_argument("--worker", choices=["rss", "torch"], help=argparse.SUPPRESS)
@@ -154,12 +162,13 @@ def build(config: str, overrides: list[str], steps: int) -> tuple[Any, Any, Any]
 
 def malloc_trim_mib() -> float:
     """RSS glibc hands back to the system on ``malloc_trim(0)`` (freed but kept heap), in MiB; NaN without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    from lightning_memrl import allocator
+
+    libc = allocator.glibc()  # measured even where the user's setting turns the module's trimming off
+    if libc is None:
         return float("nan")
     before = _status_kib("VmRSS")
-    libc.malloc_trim(0)
+    allocator.trim(libc)
     return (before - _status_kib("VmRSS")) / 1024
 
 
@@ -230,6 +239,7 @@ def worker_main(args: argparse.Namespace) -> None:
 def worker_argv(args: argparse.Namespace, worker: str) -> list[str]:
     argv = [f"--config={args.config}", f"--steps={args.steps}", f"--warmup={args.warmup}"]
     argv += [f"--threads={args.threads}", f"--top={args.top}", f"--worker={worker}"]
+    argv += [f"--profile_phase={args.profile_phase}"]
     return [*argv, *args.overrides]
 
 

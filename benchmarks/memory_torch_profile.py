@@ -32,6 +32,23 @@ class ProfileOneStep:
         return _OneStep()
 
 
+def profiled_call(fn: Callable[..., Any], prof: Any, index: int) -> Callable[..., Any]:
+    """``fn`` with the profiler running around its call number ``index`` (0-based) only."""
+    calls = [0]
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        profiling, calls[0] = calls[0] == index, calls[0] + 1
+        if not profiling:
+            return fn(*args, **kwargs)
+        prof.start()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            prof.stop()
+
+    return wrapped
+
+
 def live_at_peak(memory_profile: Any, top: int) -> dict[str, Any]:
     """Bytes by category at the moment the most tensor memory was alive, and the largest tensors then."""
     from torch.profiler._memory_profiler import Action, TensorKey
@@ -88,18 +105,21 @@ def top_operators(prof: Any, top: int) -> list[dict[str, Any]]:
 
 
 def worker_torch_profile(args: argparse.Namespace, build: Callable[..., tuple[Any, Any, Any]]) -> dict[str, Any]:
-    """Profile training step ``args.warmup`` (0-based) of ``args.config``."""
+    """Profile the update (or, with ``--profile_phase step``, the whole) of training step ``args.warmup`` (0-based)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     bu.set_threads(args.threads)
     module, data, trainer = build(args.config, args.overrides, args.warmup + 1)
     module.configure_model()
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
-    trainer.callbacks.append(ProfileOneStep(prof, args.warmup))
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
+    if args.profile_phase == "step":
+        trainer.callbacks.append(ProfileOneStep(prof, args.warmup))
+    else:
+        module.update = profiled_call(module.update, prof, args.warmup)
     torch.manual_seed(0)
     trainer.fit(module, data)
-    result = {"profiled_step": args.warmup, "operators": top_operators(prof, args.top)}
+    result = {"profiled_step": args.warmup, "phase": args.profile_phase, "operators": top_operators(prof, args.top)}
     try:
         result.update(live_at_peak(prof._memory_profile(), args.top))
     except Exception as err:  # a private torch API: the operator list above still stands

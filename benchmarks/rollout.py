@@ -29,7 +29,8 @@ ours / naive. Generated lengths differ between the sides (sampling), so tokens/s
 Weights are float32 unless ``--dtype bfloat16`` (or ``auto`` on a CPU with bf16 hardware), the same
 on both sides; ``--lora_r`` adds fresh LoRA adapters (alpha 2r, every linear layer; B starts at zero,
 so the sampled tokens match the full-weight run's) that ours samples through merged weights unless
-``--merge_adapters false``. ``--backend decode_loop`` runs ours through ``DecodeLoopEngine`` (its own
+``--merge_adapters false``; ours runs its linear layers on oneDNN-packed weights unless
+``--pack_weights false``. ``--backend decode_loop`` runs ours through ``DecodeLoopEngine`` (its own
 decode loop; ``--cache`` and ``--drop_finished`` are its options) instead of
 ``RolloutEngine`` (``model.generate``). Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
 ``_lora<r>``, ``_unmerged``, ``_decode_loop...`` added to the name).
@@ -67,7 +68,7 @@ from lightning_memrl.workflows.base import split_context
 
 SMALL = {"tasks": 2, "group": 4, "chunks": 3, "chunk_tokens": 256, "memory_tokens": 64}
 EPISODE_KEYS = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
-EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "backend", "cache", "drop_finished"]
+EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "pack_weights", "backend", "cache", "drop_finished"]
 EPISODE_KEYS += ["threads", "seed"]  # with threads and seed: a worker's
 LABELS = {
     "wall_s": "wall time (s)",
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--backend", default="generate", choices=["generate", "decode_loop"], help="ours: generate or DecodeLoopEngine"
+    )
+    parser.add_argument(
+        "--pack_weights", default="true", choices=["true", "false"], help="ours: linear layers on oneDNN-packed weights"
     )
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"], help="decode_loop: its KV cache")
     parser.add_argument("--drop_finished", default="true", choices=["true", "false"], help="decode_loop: drop EOS rows")
@@ -215,11 +219,11 @@ def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], s
 
 def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> RolloutEngine:
     """Ours: ``RolloutEngine`` (``model.generate``) or, with ``--backend decode_loop``, ``DecodeLoopEngine``."""
-    merge = args.merge_adapters == "true"
+    common = {"merge_adapters": args.merge_adapters == "true", "pack_weights": args.pack_weights == "true"}
     if args.backend == "generate":
-        return RolloutEngine(model, tokenizer, merge_adapters=merge)
+        return RolloutEngine(model, tokenizer, **common)
     options = {"cache": args.cache, "drop_finished": args.drop_finished == "true"}
-    return DecodeLoopEngine(model, tokenizer, merge_adapters=merge, **options)
+    return DecodeLoopEngine(model, tokenizer, **common, **options)
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -308,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         tag += "" if args.drop_finished == "true" else "_keep_finished"
     if args.lora_r:
         tag += f"_lora{args.lora_r}" + ("" if args.merge_adapters == "true" else "_unmerged")
+    tag += "" if args.pack_weights == "true" else "_unpacked"
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {
         "command": command.strip(),

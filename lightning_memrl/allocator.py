@@ -34,7 +34,7 @@ OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
 @cache
-def _glibc() -> Any | None:
+def glibc() -> Any | None:
     """glibc's ``libc.so.6`` with ``malloc_trim``, or None where this is not glibc."""
     if not sys.platform.startswith("linux"):
         return None
@@ -65,7 +65,7 @@ def user_choice(environ: Mapping[str, str]) -> str | None:
 @cache
 def _enabled() -> bool:
     """Whether :func:`trim` runs in this process (glibc, and no allocator choice of the user's)."""
-    return _glibc() is not None and user_choice(os.environ) is None
+    return glibc() is not None and user_choice(os.environ) is None
 
 
 def trim(libc: Any | None = None) -> None:
@@ -77,4 +77,4 @@ def trim(libc: Any | None = None) -> None:
     if libc is not None:
         libc.malloc_trim(0)
     elif _enabled():
-        _glibc().malloc_trim(0)
+        glibc().malloc_trim(0)

@@ -235,6 +235,8 @@ class MemRLModule(L.LightningModule):
         with generation_mode(self.policy, frozen, self.device):
             trajectories = self.workflow.rollout(self.engine, tasks, settings)
         self.engine.release_memory()  # e.g. merged LoRA weights: not kept through the update
+        if self.workflow.frozen_engine is not None:
+            self.workflow.frozen_engine.release_memory()
         allocator.trim()  # the KV caches' freed heap pages back to the system before the update
         return RolloutBatch.from_trajectories(trajectories, self.grpo.group_size, self.engine.pad_id)
 

@@ -45,7 +45,7 @@ def test_trim_calls_malloc_trim_with_no_padding() -> None:
 
 def test_trim_does_nothing_when_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     libc = FakeLibc()
-    monkeypatch.setattr(allocator, "_glibc", lambda: libc)
+    monkeypatch.setattr(allocator, "glibc", lambda: libc)
     allocator._enabled.cache_clear()
     monkeypatch.setenv("LIGHTNING_MEMRL_MALLOC", "glibc")
     allocator.trim()

@@ -64,3 +64,29 @@ def test_head_logprobs_backward_replay_skips_a_logged_only_entropy(monkeypatch: 
     logprobs.sum().backward()
     assert len(calls) == 4  # the backward's recomputation of each chunk left the entropy out (main: 8)
     torch.testing.assert_close(hidden.grad, expected_grad, atol=1e-6, rtol=0)
+
+
+def test_torch_profile_records_only_the_chosen_call(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from memory_torch_profile import profiled_call
+
+    events: list[str] = []
+
+    class Prof:
+        def start(self) -> None:
+            events.append("start")
+
+        def stop(self) -> None:
+            events.append("stop")
+
+    def update(x: int) -> int:
+        events.append(f"update {x}")
+        if x == 2:
+            raise RuntimeError("boom")
+        return 2 * x
+
+    wrapped = profiled_call(update, Prof(), index=1)
+    assert [wrapped(0), wrapped(1)] == [0, 2]
+    with pytest.raises(RuntimeError):
+        profiled_call(update, Prof(), index=0)(2)  # the profiler stops even when the call fails
+    assert events == ["update 0", "start", "update 1", "stop", "start", "update 2", "stop"]

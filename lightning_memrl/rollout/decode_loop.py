@@ -28,7 +28,6 @@ logged the first time for each reason).
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -71,6 +70,7 @@ class DecodeLoopEngine(RolloutEngine):
         share_prefixes: prefill shared prompt prefixes once (exact up to float rounding).
         min_shared_prefix: shortest shared prefix, in tokens, worth a separate prefill.
         merge_adapters: with LoRA, sample from merged weights (see ``RolloutEngine``).
+        pack_weights: on CPU, linear layers on oneDNN-packed weights while sampling (see ``RolloutEngine``).
         cache: ``static`` (a ``StaticCache`` sized to prompt + ``max_new_tokens``, written in place)
             or ``dynamic`` (``DynamicCache``, grown by concatenation).
         drop_finished: take rows that have emitted EOS out of the decode batch (and the cache).
@@ -85,8 +85,9 @@ class DecodeLoopEngine(RolloutEngine):
         merge_adapters: bool | None = None,
         cache: CacheKind = "static",
         drop_finished: bool = True,
+        pack_weights: bool = True,
     ) -> None:
-        super().__init__(model, tokenizer, share_prefixes, min_shared_prefix, merge_adapters)
+        super().__init__(model, tokenizer, share_prefixes, min_shared_prefix, merge_adapters, pack_weights)
         if cache not in ("static", "dynamic"):
             raise ConfigError(f"model.init_args.rollout.init_args.cache must be 'static' or 'dynamic' (got {cache!r})")
         self.cache = cache
@@ -111,7 +112,7 @@ class DecodeLoopEngine(RolloutEngine):
             return super().generate(prompts, settings, max_new_tokens, prefix_labels, task_ids)
         max_new_tokens = max_new_tokens or settings.max_new_tokens
         self.check_prompt_lengths(prompts, settings, max_new_tokens, task_ids)
-        with self.merged.swapped() if self.merged else nullcontext():  # LoRA: plain layers over merged weights
+        with self.sampling_weights():  # LoRA: plain layers over merged weights; CPU: packed weights
             new_ids, token_logprobs = self._decode(prompts, settings, max_new_tokens, prefix_labels)
         return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
 

@@ -9,7 +9,8 @@ the distribution the update computes (see :class:`~lightning_memrl.settings.Gene
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.merged import MergedAdapters
+from lightning_memrl.rollout.packed import PackedLinears
 from lightning_memrl.rollout.prefix import (
     MIN_SHARED_PREFIX,
     left_pad,
@@ -81,6 +83,9 @@ class RolloutEngine(RolloutBackend):
             layers whose base weights are fp32, where merging is exact; True: bf16/fp16 bases too
             (the merged weight rounded to their dtype); False: every layer through peft. Layers that
             cannot be merged (4-bit, FSDP-sharded, DoRA) always keep their adapters.
+        pack_weights: on CPU, run the linear layers on weights pre-packed for oneDNN during a rollout
+            (faster small-batch products, one extra copy of the weights while sampling; see
+            :mod:`lightning_memrl.rollout.packed`). Layers it cannot serve keep their own forward.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class RolloutEngine(RolloutBackend):
         share_prefixes: bool = True,
         min_shared_prefix: int = MIN_SHARED_PREFIX,
         merge_adapters: bool | None = None,
+        pack_weights: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -99,17 +105,33 @@ class RolloutEngine(RolloutBackend):
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.merged = MergedAdapters(model, low_precision=bool(merge_adapters)) if merge_adapters is not False else None
+        self.packed = PackedLinears(model) if pack_weights else None
 
     def sync_weights(self, model: Any) -> None:
         """``generate`` runs ``self.model``, the policy the optimizer updates in place: only merged
-        LoRA weights are marked stale (rebuilt by the next ``generate``)."""
+        LoRA weights are marked stale (rebuilt by the next ``generate``; packed weights are remade
+        from any weight changed since they were packed)."""
         if self.merged:
             self.merged.invalidate()
+        if self.packed is not None:
+            self.packed.invalidate()
 
     def release_memory(self) -> None:
-        """Free the merged LoRA weights after a rollout (see :meth:`RolloutBackend.release_memory`)."""
+        """Free the merged LoRA and packed weights after a rollout (see :meth:`RolloutBackend.release_memory`)."""
         if self.merged:
             self.merged.release()
+        if self.packed:
+            self.packed.release()
+
+    @contextmanager
+    def sampling_weights(self) -> Iterator[None]:
+        """Inside: the model samples from merged LoRA weights and packed linear layers, where enabled."""
+        with ExitStack() as stack:
+            if self.merged:
+                stack.enter_context(self.merged.swapped())
+            if self.packed is not None:
+                stack.enter_context(self.packed.swapped())  # after the merge: the merged stand-ins are packed too
+            yield
 
     @torch.no_grad()
     def generate(
@@ -131,7 +153,7 @@ class RolloutEngine(RolloutBackend):
             return []
         max_new_tokens = max_new_tokens or settings.max_new_tokens
         self.check_prompt_lengths(prompts, settings, max_new_tokens, task_ids)
-        with self.merged.swapped() if self.merged else nullcontext():  # LoRA: plain layers over merged weights
+        with self.sampling_weights():  # LoRA: plain layers over merged weights; CPU: packed weights
             input_ids, attention_mask, cache = self._prefill(prompts, prefix_labels)
             kwargs = self._generate_kwargs(settings, max_new_tokens)
             if cache is not None:

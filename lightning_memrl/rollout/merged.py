@@ -157,7 +157,7 @@ class MergedAdapters:
         for target in targets:
             signature = _signature(target.layer)
             if signature != target.signature:
-                _merge_into(target.layer, target.plain.weight.data)
+                _merge_into(target.layer, target.plain.weight)  # the parameter itself: its version counts the merge
                 target.signature = signature
         if targets and not self._logged:
             self._logged = True
