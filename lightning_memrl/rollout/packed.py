@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +42,7 @@ from torch.nn import functional as F
 log = logging.getLogger(__name__)
 
 
+@cache
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether this torch build can pack a CPU linear weight of ``dtype`` for oneDNN."""
     ops = torch.ops.mkldnn
