@@ -66,6 +66,25 @@ def test_a_weight_changed_in_place_is_packed_again(tiny_model):
     torch.testing.assert_close(after, 2.0 * before, atol=1e-5, rtol=1e-5)
 
 
+def test_inference_tensor_weights_are_packed(tiny_model):
+    """Weights made under ``inference_mode`` (a model loaded for ``predict``) keep no version counter."""
+    layer = tiny_model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, layer.in_features)
+    expected = layer(x).detach()
+    with torch.inference_mode():
+        frozen = nn.Linear(layer.in_features, layer.out_features, bias=False)
+        frozen.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+        holder = nn.Sequential(frozen)
+        packed = PackedLinears(holder)
+        with packed.swapped() as count:
+            got = frozen(x)
+        with packed.swapped():  # unchanged: the pack is kept
+            again = frozen(x)
+    assert count == 1 and frozen.weight.is_inference()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again, got)
+
+
 def test_engine_samples_the_same_greedy_tokens_with_and_without_packing(tiny_model, tiny_tokenizer):
     plain = RolloutEngine(tiny_model, tiny_tokenizer, pack_weights=False).generate(PROMPTS, GREEDY)
     engine = RolloutEngine(tiny_model, tiny_tokenizer)

@@ -62,7 +62,11 @@ class _Pack:
 
 
 def _signature(weight: Tensor) -> tuple[int, int, int]:
-    return id(weight), weight.data_ptr(), weight._version
+    # Inference tensors (made under ``torch.inference_mode``, e.g. a model loaded for ``predict``)
+    # keep no version counter; only code inside inference mode can write them, and nothing there
+    # changes weights, so identity and storage stand for them.
+    version = 0 if weight.is_inference() else weight._version
+    return id(weight), weight.data_ptr(), version
 
 
 def _packable(module: nn.Module) -> bool:
