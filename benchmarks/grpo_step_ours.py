@@ -97,7 +97,13 @@ def build_module(args: argparse.Namespace, workflow: Workflow) -> MemRLModule:
         lora=lora,
         workflow=workflow,
         rewards=[TokenF1()],
-        generation=GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens),
+        generation=GenerationSettings(  # exactly new_tokens, as TRL (rollouts ignore generation_config)
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=args.new_tokens,
+            generation_kwargs={"min_new_tokens": args.new_tokens},
+        ),
         advantage=GroupRelative(scale_rewards="group"),
         grpo=GRPOSettings(
             group_size=args.group,
@@ -113,7 +119,6 @@ def build_module(args: argparse.Namespace, workflow: Workflow) -> MemRLModule:
         **ours_kwargs(args.ours_kwargs),
     )
     module.configure_model()  # idempotent: fit does not load again
-    module.policy.generation_config.min_new_tokens = args.new_tokens  # exactly new_tokens, as TRL
     return module
 
 

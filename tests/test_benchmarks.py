@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -177,3 +179,24 @@ def test_credit_cost_composes_an_overlay_into_the_base_config_keeping_its_reward
         "lightning_memrl.credit.tips.PotentialTurnShaping",
     ]
     assert credit_cost.composed_config(quickstart, None)[0]["model"] == config["model"]  # tips adds only a callback
+
+
+def test_grpo_step_ours_generates_exactly_new_tokens_as_trl(bench, tmp_path):
+    """The comparison forces both sides to ``--new_tokens`` (TRL's ``min_new_tokens``), even where EOS is likely."""
+    bu, grpo_step = bench
+    ours = importlib.import_module("grpo_step_ours")
+    args = grpo_step.parse_args(["--model", "tiny", "--group", "4", "--new_tokens", "6", "--dtype", "float32"])
+    args.model_path = bu.resolve_model("tiny", tmp_path)
+    module = ours.build_module(args, ours.SingleTurnWorkflow())
+    eos = module.tokenizer.eos_token_id
+
+    def eos_likely(layer, inputs, logits):  # EOS all but certain at every position
+        return logits.index_add(-1, torch.tensor([eos]), torch.full((*logits.shape[:-1], 1), 30.0))
+
+    module.policy.get_output_embeddings().register_forward_hook(eos_likely)
+    generations = module.engine.generate([[5, 6, 7, 8]] * 4, module.generation)
+    assert [len(g.token_ids) for g in generations] == [6] * 4
+    unforced = module.engine.generate(
+        [[5, 6, 7, 8]] * 4, dataclasses.replace(module.generation, generation_kwargs=None)
+    )
+    assert [len(g.token_ids) for g in unforced] == [1] * 4  # without it, EOS ends every row at once
