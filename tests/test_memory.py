@@ -90,3 +90,24 @@ def test_torch_profile_records_only_the_chosen_call(monkeypatch) -> None:
     with pytest.raises(RuntimeError):
         profiled_call(update, Prof(), index=0)(2)  # the profiler stops even when the call fails
     assert events == ["update 0", "start", "update 1", "stop", "start", "update 2", "stop"]
+
+
+def test_torch_profile_of_the_update_gives_live_tensor_bytes_by_category(monkeypatch, tmp_path) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.chdir(BENCHMARKS.parent)
+    from memory_profile import build, parse_args
+    from memory_torch_profile import profile_report, worker_torch_profile
+
+    args = parse_args(["--config", "configs/memagent/tiny.yaml", "--steps", "1", "--torch_profile", "--top", "3"])
+    args.overrides += ["--trainer.default_root_dir", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        result = worker_torch_profile(args, build)
+    finally:
+        torch.set_num_threads(threads)  # the worker sets --threads for the whole process
+    assert "live_at_peak_error" not in result
+    categories = result["by_category_mib"]
+    assert categories["parameter"] > 0 and categories["activation"] > 0  # the update's forward kept its activations
+    assert sum(categories.values()) == pytest.approx(result["peak_tensor_mib"])
+    assert len(result["largest_tensors"]) == 3 and len(result["operators"]) == 3
+    assert "tensor memory at the profiled call's peak" in profile_report(result)
