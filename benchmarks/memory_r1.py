@@ -64,6 +64,11 @@ ARMS: dict[str, tuple[str | None, str | None]] = {
 NEEDS = {"sft": [], "grpo_manager": ["sft"], "grpo_answerer": ["sft", "grpo_manager"]}
 METRICS = ("exact_match", "f1", "bleu1", "evidence_recall", "valid_operations")
 P = "--model.init_args."
+# --reward -> the reward functions of both GRPO stages (the evaluation reports EM and F1 either way)
+REWARDS = {
+    "exact_match": [{"class_path": "lightning_memrl.rewards.ExactMatch"}],
+    "f1": [{"class_path": "lightning_memrl.rewards.TokenF1"}],
+}
 
 
 def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -80,8 +85,15 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--grpo_manager_steps", type=int, default=20, help="optimizer steps of the manager stage")
     p.add_argument("--grpo_answerer_steps", type=int, default=60, help="optimizer steps of the answerer stage")
     p.add_argument("--questions_per_step", type=int, default=1, help="GRPO questions per step (x group_size)")
-    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per conversation")
-    p.add_argument("--max_questions", type=int, default=8, help="questions per conversation")
+    p.add_argument("--group_size", type=int, default=None, help="GRPO rollouts per question (default: the config's)")
+    p.add_argument(
+        "--reward", choices=list(REWARDS), default="exact_match",
+        help="reward of both GRPO stages: exact_match (Memory-R1's) or f1 (token F1, partial credit)",
+    )  # fmt: skip
+    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation")
+    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation")
+    p.add_argument("--val_sessions", type=int, default=None, help="sessions of the held-apart one (default: as train)")
+    p.add_argument("--val_questions", type=int, default=None, help="its questions (default: as --max_questions)")
     p.add_argument("--seed", type=int, default=0, help="seed_everything of every run")
     p.add_argument("--out", type=Path, default=OUT, help="results folder")
     p.add_argument("--work", type=Path, default=Path("logs/bench_memory_r1"), help="checkpoints and adapters")
@@ -89,13 +101,20 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
+def _val_caps(args: argparse.Namespace) -> tuple[int, int]:
+    """Sessions and questions read from the held-apart conversation."""
+    sessions = args.max_sessions if args.val_sessions is None else args.val_sessions
+    return sessions, args.max_questions if args.val_questions is None else args.val_questions
+
+
 def _data_args(args: argparse.Namespace, prefix: str, conversations: list[str]) -> list[str]:
     """The LoCoMo caps of one split (``prefix``: ``locomo`` or ``locomo_val``) over ``conversations``."""
     d = f"--data.init_args.{prefix}."
+    sessions, questions = _val_caps(args) if prefix == "locomo_val" else (args.max_sessions, args.max_questions)
     return [
         f"{d}conversations", json.dumps(conversations),
-        f"{d}max_sessions", str(args.max_sessions),
-        f"{d}max_questions", str(args.max_questions),
+        f"{d}max_sessions", str(sessions),
+        f"{d}max_questions", str(questions),
     ]  # fmt: skip
 
 
@@ -118,7 +137,7 @@ def _grpo_args(args: argparse.Namespace, root: Path, stage: str, start: Path | N
         "--data.init_args.locomo_val_conversations", "0",
         *_data_args(args, "locomo_val", [args.held_apart]),
         "--data.init_args.batch_size", str(args.questions_per_step),
-        "--data.init_args.val_batch_size", str(args.max_questions),
+        "--data.init_args.val_batch_size", str(_val_caps(args)[1]),
         f"{P}workflow.init_args.stage", stage,
     ]  # fmt: skip
     for option, path in (("adapter_name_or_path", start), ("frozen_adapter_name_or_path", frozen)):
@@ -143,6 +162,8 @@ def stage_commands(args: argparse.Namespace, stage: str, extra: list[str]) -> li
     role, frozen = ("manager", sft) if stage == "grpo_manager" else ("answerer", manager)
     fit = [
         "fit", *_grpo_args(args, root, role, sft, frozen), *extra,
+        f"{P}rewards", json.dumps(REWARDS[args.reward]),
+        *([f"{P}grpo.group_size", str(args.group_size)] if args.group_size else []),
         "--trainer.max_steps", str(args.grpo_manager_steps if role == "manager" else args.grpo_answerer_steps),
         "--trainer.limit_val_batches", "0",  # every arm is evaluated apart, by validate
     ]  # fmt: skip
@@ -259,7 +280,10 @@ def caps(args: argparse.Namespace) -> dict[str, Any]:
         "grpo_manager_steps": args.grpo_manager_steps,
         "grpo_answerer_steps": args.grpo_answerer_steps,
         "grpo_questions_per_step": args.questions_per_step,
-        "grpo_group_size": "configs/shared/locomo_grpo.yaml (2)",
+        "grpo_group_size": args.group_size or "configs/shared/locomo_grpo.yaml (2)",
+        "grpo_reward": args.reward,
+        "held_apart_sessions": _val_caps(args)[0],
+        "held_apart_questions": _val_caps(args)[1],
     }
 
 

@@ -23,6 +23,7 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
         "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",
         "--model", "tiny", "--dtype", "float32", "--max_sessions", "1",
         "--sft_steps", "1", "--grpo_manager_steps", "1", "--grpo_answerer_steps", "1",
+        "--reward", "f1", "--group_size", "3", "--val_questions", "1",
         "--out", str(out), "--work", str(work), "--in_process",
         "--model.init_args.generation.max_new_tokens=8",
         "--model.init_args.workflow.init_args.extract_max_tokens=24",
@@ -34,14 +35,14 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
     for arm, result in results.items():
         saved = json.loads((out / arm / "result.json").read_text())
         assert saved == result and saved["held_apart"] == "conv-b"
-        assert saved["overall"]["tasks"] == 2  # conv-b's questions of categories 1-4 with evidence in session 1
-        assert sorted(saved["by_category"]) == ["2", "4"]
+        assert saved["overall"]["tasks"] == 1  # --val_questions 1 of conv-b's 2 with evidence in session 1
+        assert saved["caps"]["held_apart_questions"] == 1 and saved["caps"]["grpo_reward"] == "f1"
         for row in [saved["overall"], *saved["by_category"].values()]:
             assert all(0.0 <= row[k] <= 1.0 for k in METRICS if k != "valid_operations"), row
             assert row["valid_operations"] is None  # the tiny model's facts decode to nothing: no operation to rate
         assert saved["caps"]["grpo_answerer_steps"] == 1 and saved["machine"]["threads"] >= 1
         assert "lightning-memrl validate" in saved["eval_command"] and "conv-b" in saved["eval_command"]
-        assert len((out / arm / "predictions.jsonl").read_text().splitlines()) == 2
+        assert len((out / arm / "predictions.jsonl").read_text().splitlines()) == 1
     full = results["sft+grpo_manager+grpo_answerer"]
     assert [s["stage"] for s in full["stages"]] == ["sft", "grpo_manager", "grpo_answerer"]
     assert results["base"]["stages"] == [] and [s["stage"] for s in results["sft"]["stages"]] == ["sft"]
@@ -51,6 +52,9 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
     assert "lora.frozen_adapter_name_or_path work/grpo_manager/adapter" in fit and "stage answerer" in fit
     assert "lora.adapter_name_or_path work/sft/adapter" in fit and "locomo_path $LOCOMO " in fit
     assert "--config configs/memory_r1/locomo.yaml " in fit
+    assert "lightning_memrl.rewards.TokenF1" in fit and "--model.init_args.grpo.group_size 3" in fit
+    rows = (work / "grpo_answerer" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert "train/reward/f1" in rows[0]  # the stage trained on the F1 reward
     assert "lora.frozen_adapter_name_or_path work/grpo_manager/adapter" in full["eval_command"]
     assert "lora.adapter_name_or_path work/grpo_answerer/adapter" in full["eval_command"]
     calls = []
