@@ -1,0 +1,201 @@
+"""RMM's reranker on LoCoMo, evaluated on a held-apart conversation: plain retrieval, the identity reranker,
+and the reranker trained online from citation rewards (RMM's) or from evidence annotations.
+
+    python benchmarks/rmm.py --locomo PATH --train conv-26 conv-30 conv-41 conv-42 --held-apart conv-43
+
+Every arm is one ``lightning-memrl validate`` of ``configs/rmm/locomo.yaml`` on the held-apart conversation
+(a subprocess; ``--in_process`` runs it in this process), with the reranker keeping ``--recall_k`` memories,
+so the report's ``evidence_recall`` (share of the question's evidence turns among the sources of the
+memories shown to the generator) is Recall@k of the memory units RMM's prospective reflection built:
+
+====================  ==============================================================================
+arm                   what orders the memories the generator sees
+====================  ==============================================================================
+bm25                  BM25 alone: first stage of ``--recall_k`` candidates, nothing left to rerank
+dense                 cosine similarity of the ``--embedding`` vectors alone, the same way
+identity              the reranker at its initialisation (identity adapters) over BM25's top ``top_k``
+reranker_citation     the reranker after ``--steps`` online REINFORCE steps on citation rewards (RMM's)
+reranker_evidence     the same steps on evidence rewards (+1 when a shown memory holds an annotated
+                      evidence turn; NOT RMM's reward, a supervised signal from LoCoMo's annotations)
+====================  ==============================================================================
+
+The trained arms first run ``lightning-memrl fit`` on the training conversations with ``train_generator:
+false`` (only the reranker learns; the generator and the reflection are the base model, greedy for the
+reflection), then validate their last checkpoint. Results: ``<out>/<arm>/result.json`` (overall and by
+category: Recall@k, the first stage's recall of its top ``top_k``, EM, F1, BLEU-1, citation reward; for
+trained arms the fit's command, wall time and reranker metrics), ``eval_report.json``,
+``predictions.jsonl``, each written as it finishes (a finished arm is skipped on a rerun), then
+``summary.json``. Options the script does not know (``--model.init_args.generation.max_new_tokens=16``) go
+to every fit and validate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ablation import _csv_mean, _newest_report, run_cli  # noqa: E402
+from bench_utils import machine  # noqa: E402
+from memory_r1 import _common, _data_args, _shown, _val_caps  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "rmm" / "locomo.yaml"
+OUT = Path(__file__).parent / "results" / "rmm"
+W = "--model.init_args.workflow.init_args."
+# arm -> (reranker reward it trains on, None: not trained; first stage: None = the config's retriever and
+# top_k, else a retriever that alone fills the shown memories)
+ARMS: dict[str, tuple[str | None, str | None]] = {
+    "bm25": (None, "bm25"),
+    "dense": (None, "dense"),
+    "identity": (None, None),
+    "reranker_citation": ("citation", None),
+    "reranker_evidence": ("evidence", None),
+}
+METRICS = ("evidence_recall", "evidence_recall_at_k", "exact_match", "f1", "bleu1", "citation_reward")
+FIT_METRICS = ("reranker/reward", "reranker/citation_reward", "reranker/cited_frac", "reranker/reward_varied_groups")
+
+
+def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--locomo", required=True, help="LoCoMo JSON file or folder")
+    p.add_argument("--train", nargs="+", required=True, help="training conversation ids (development ones)")
+    p.add_argument("--held-apart", required=True, help="the conversation every arm is evaluated on")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms to run (default: all)")
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="hub id, folder or tiny")
+    p.add_argument("--dtype", default="auto", help="model.init_args.dtype of every run")
+    p.add_argument(
+        "--embedding", default="hashing", choices=["hashing", "sentence-transformers"],
+        help="vectors of the reranker and of the dense arm (sentence-transformers: the dense extra)",
+    )  # fmt: skip
+    p.add_argument("--recall_k", type=int, default=5, help="memories shown to the generator (RMM's M): Recall@k")
+    p.add_argument("--steps", type=int, default=24, help="optimizer steps of each trained arm")
+    p.add_argument("--questions_per_step", type=int, default=4, help="questions per step (x group_size)")
+    p.add_argument("--reranker_lr", type=float, default=None, help="reranker learning rate (default: the config's)")
+    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation")
+    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation")
+    p.add_argument("--val_sessions", type=int, default=None, help="sessions of the held-apart one (default: as train)")
+    p.add_argument("--val_questions", type=int, default=None, help="its questions (default: as --max_questions)")
+    p.add_argument("--seed", type=int, default=0, help="seed_everything of every run")
+    p.add_argument("--out", type=Path, default=OUT, help="results folder")
+    p.add_argument("--work", type=Path, default=Path("logs/bench_rmm"), help="checkpoints and logs")
+    p.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
+    return p.parse_known_args(argv)
+
+
+def run_args(args: argparse.Namespace, root: Path, arm: str) -> list[str]:
+    """``configs/rmm/locomo.yaml`` trained on ``--train`` and validated on ``--held-apart``, as ``arm`` sets it."""
+    reward, first_stage = ARMS[arm]
+    out = [
+        *_common(args, CONFIG, root),
+        *_data_args(args, "locomo", args.train),
+        "--data.init_args.locomo_val_conversations", "0",
+        *_data_args(args, "locomo_val", [args.held_apart]),
+        "--data.init_args.batch_size", str(args.questions_per_step),
+        "--data.init_args.val_batch_size", str(_val_caps(args)[1]),
+        f"{W}embedding", args.embedding,
+        f"{W}top_m", str(args.recall_k),
+        f"{W}train_generator", "false",
+    ]  # fmt: skip
+    if first_stage is not None:  # the first stage alone: it retrieves exactly the memories shown
+        out += [f"{W}retriever", first_stage, f"{W}top_k", str(args.recall_k)]
+    if reward is not None:
+        out += [f"{W}reranker_reward", reward]
+    if args.reranker_lr is not None:
+        out += [f"{W}reranker_lr", str(args.reranker_lr)]
+    return out
+
+
+def fit(args: argparse.Namespace, arm: str, extra: list[str]) -> dict[str, Any]:
+    """Train ``arm``'s reranker; its command, wall time and reranker metrics (first and last step, mean)."""
+    root = args.work / arm / "fit"
+    command = ["fit", *run_args(args, root, arm), *extra, "--trainer.max_steps", str(args.steps)]
+    command += ["--trainer.limit_val_batches", "0"]  # evaluated apart, by validate
+    wall = run_cli(command, root, args.in_process)
+    metrics = max(root.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime)
+    info: dict[str, Any] = {"command": _shown(command, args), "fit_wall_s": round(wall, 1), "steps": args.steps}
+    info["step_time_s"] = _csv_mean(metrics, "time/step_s")
+    for name in FIT_METRICS:
+        info[f"mean train/{name}"] = _csv_mean(metrics, f"train/{name}")
+    return info
+
+
+def run_arm(args: argparse.Namespace, arm: str, extra: list[str]) -> dict[str, Any]:
+    """Train (trained arms) and validate ``arm``; write ``<out>/<arm>/`` (result.json last)."""
+    shutil.rmtree(args.work / arm, ignore_errors=True)
+    (args.work / arm / "fit").mkdir(parents=True)
+    trained = fit(args, arm, extra) if ARMS[arm][0] else None
+    root = args.work / arm / "eval"
+    root.mkdir(parents=True)
+    command = ["validate", *run_args(args, root, arm), *extra, "--trainer.limit_val_batches", "1"]
+    if trained:
+        command += ["--ckpt_path", str((args.work / arm / "fit" / "checkpoints" / "last.ckpt").resolve())]
+    wall = run_cli(command, root, args.in_process)
+    report, predictions = _newest_report(root)
+    out = args.out / arm
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(predictions, out / "predictions.jsonl")
+    (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    result = {
+        "arm": arm,
+        "held_apart": args.held_apart,
+        "recall_k": args.recall_k,
+        "overall": {k: report["overall"].get(k) for k in ("tasks", *METRICS)},
+        "by_category": {c: {k: row.get(k) for k in ("tasks", *METRICS)} for c, row in report["by_category"].items()},
+        "fit": trained,
+        "eval_command": _shown(command, args),
+        "eval_wall_s": round(wall, 1),
+        "caps": caps(args),
+        "machine": {**machine(_threads()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # last: marks the arm finished
+    return result
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def caps(args: argparse.Namespace) -> dict[str, Any]:
+    """What was capped so that each arm fits its time budget."""
+    return {
+        "train_conversations": args.train,
+        "sessions_per_conversation": args.max_sessions,
+        "questions_per_conversation": args.max_questions,
+        "held_apart_sessions": _val_caps(args)[0],
+        "held_apart_questions": _val_caps(args)[1],
+        "steps": args.steps,
+        "questions_per_step": args.questions_per_step,
+        "group_size": "configs/shared/locomo_grpo.yaml (2)",
+        "embedding": args.embedding,
+        "reranker_lr": args.reranker_lr or "configs/rmm/locomo.yaml (1e-3)",
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, extra = _args(argv)
+    if args.held_apart in args.train:
+        raise SystemExit(f"--held-apart {args.held_apart} is also in --train: keep it apart")
+    results = {}
+    for arm in args.arms:
+        path = args.out / arm / "result.json"
+        if path.is_file():
+            print(f"arm {arm}: done before, skipped ({path})")
+            results[arm] = json.loads(path.read_text())
+        else:
+            results[arm] = run_arm(args, arm, extra)
+    table = {arm: {k: r["overall"][k] for k in METRICS} for arm, r in results.items()}
+    (args.out / "summary.json").write_text(json.dumps({"arms": table, "caps": caps(args)}, indent=2) + "\n")
+    print(json.dumps(table, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""benchmarks/rmm.py end to end with the tiny model: plain retrieval, identity and trained rerankers, resumable."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from locomo_fixture import locomo_conversation, write_locomo
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def test_every_arm_is_validated_on_the_held_apart_conversation_and_finished_arms_are_skipped(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("rmm")
+    data = tmp_path / "data"
+    write_locomo(data, "conv-a")
+    write_locomo(data, "conv-b", json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva")))
+    out, work = tmp_path / "out", tmp_path / "work"
+    argv = [
+        "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",
+        "--model", "tiny", "--dtype", "float32", "--max_sessions", "1", "--steps", "1",
+        "--questions_per_step", "2", "--recall_k", "2", "--reranker_lr", "0.1",
+        "--out", str(out), "--work", str(work), "--in_process",
+        "--model.init_args.generation.max_new_tokens=8",
+        "--model.init_args.workflow.init_args.reflect_max_tokens=24",
+        "--model.init_args.workflow.init_args.merge_max_tokens=12",
+    ]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    results = bench.main(argv)
+    assert list(results) == list(bench.ARMS)
+    for arm, result in results.items():
+        assert json.loads((out / arm / "result.json").read_text()) == result
+        assert result["overall"]["tasks"] == 2 and result["held_apart"] == "conv-b"
+        assert 0.0 <= result["overall"]["evidence_recall"] <= 1.0
+        assert "conv-b" in result["eval_command"] and "top_m 2" in result["eval_command"]
+        assert len((out / arm / "predictions.jsonl").read_text().splitlines()) == 2
+    assert "retriever bm25 --model.init_args.workflow.init_args.top_k 2" in results["bm25"]["eval_command"]
+    assert "retriever dense --model.init_args.workflow.init_args.top_k 2" in results["dense"]["eval_command"]
+    assert results["identity"]["fit"] is None and "--ckpt_path" not in results["identity"]["eval_command"]
+    for arm, reward in (("reranker_citation", "citation"), ("reranker_evidence", "evidence")):
+        fit = results[arm]["fit"]
+        assert f"reranker_reward {reward}" in fit["command"] and "train_generator false" in fit["command"]
+        assert fit["steps"] == 1 and fit["fit_wall_s"] > 0 and "--ckpt_path" in results[arm]["eval_command"]
+        assert all(isinstance(fit[f"mean train/{name}"], float) for name in bench.FIT_METRICS)
+    # the validated checkpoint holds the trained reranker (the tiny model writes no topics, so it has not moved:
+    # tests/test_rmm_signal.py checks that the evidence reward moves it)
+    state = torch.load(work / "reranker_evidence" / "fit" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert "workflow_modules.reranker.query_adapter.weight" in state["state_dict"]
+    calls = []
+    monkeypatch.setattr(bench, "run_cli", lambda *a: calls.append(a))
+    assert bench.main(argv) == results and calls == []  # finished arms are skipped
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["arms"]) == set(results) and summary["caps"]["steps"] == 1
