@@ -71,14 +71,27 @@ REWARDS = {
 }
 
 
-def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_split_options(p: argparse.ArgumentParser, arms: list[str], out: Path, work: Path) -> None:
+    """The options a held-apart LoCoMo benchmark shares: data, split, caps, model, arms, folders."""
     p.add_argument("--locomo", required=True, help="LoCoMo JSON file or folder (with session_N_observation)")
     p.add_argument("--train", nargs="+", required=True, help="training conversation ids (development ones)")
     p.add_argument("--held-apart", required=True, help="the conversation every arm is evaluated on")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms to run (default: all)")
+    p.add_argument("--arms", nargs="+", default=arms, choices=arms, help="arms to run (default: all)")
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="hub id, folder or tiny")
     p.add_argument("--dtype", default="auto", help="model.init_args.dtype of every run")
+    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation")
+    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation")
+    p.add_argument("--val_sessions", type=int, default=None, help="sessions of the held-apart one (default: as train)")
+    p.add_argument("--val_questions", type=int, default=None, help="its questions (default: as --max_questions)")
+    p.add_argument("--seed", type=int, default=0, help="seed_everything of every run")
+    p.add_argument("--out", type=Path, default=out, help="results folder")
+    p.add_argument("--work", type=Path, default=work, help="checkpoints, adapters and logs")
+    p.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
+
+
+def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_split_options(p, list(ARMS), OUT, Path("logs/bench_memory_r1"))
     p.add_argument("--sft_steps", type=int, default=50, help="SFT optimizer steps")
     p.add_argument("--sft_batch_size", type=int, default=4, help="SFT examples per step")
     p.add_argument("--sft_lr", type=float, default=1e-3, help="SFT learning rate (LoRA)")
@@ -90,14 +103,6 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--reward", choices=list(REWARDS), default="exact_match",
         help="reward of both GRPO stages: exact_match (Memory-R1's) or f1 (token F1, partial credit)",
     )  # fmt: skip
-    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation")
-    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation")
-    p.add_argument("--val_sessions", type=int, default=None, help="sessions of the held-apart one (default: as train)")
-    p.add_argument("--val_questions", type=int, default=None, help="its questions (default: as --max_questions)")
-    p.add_argument("--seed", type=int, default=0, help="seed_everything of every run")
-    p.add_argument("--out", type=Path, default=OUT, help="results folder")
-    p.add_argument("--work", type=Path, default=Path("logs/bench_memory_r1"), help="checkpoints and adapters")
-    p.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
     return p.parse_known_args(argv)
 
 
@@ -234,23 +239,19 @@ def evaluate_arm(args: argparse.Namespace, arm: str, extra: list[str], stages: d
         "--trainer.limit_val_batches", "1",
     ]  # fmt: skip
     wall = _run(command, root, args.in_process)
-    report, predictions = _newest_report(root)
     out = args.out / arm
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(predictions, out / "predictions.jsonl")
-    (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = save_report(root, out)
     result = {
         "arm": arm,
         "extractor_and_manager": manager or "base model",
         "answer_agent": answerer or "base model",
         "held_apart": args.held_apart,
-        "overall": {k: report["overall"].get(k) for k in ("tasks", *METRICS)},
-        "by_category": {c: {k: row.get(k) for k in ("tasks", *METRICS)} for c, row in report["by_category"].items()},
+        **scores(report, METRICS),
         "stages": [stages[s] for s in _stages_of(arm)],
         "eval_command": _shown(command, args),
         "eval_wall_s": round(wall, 1),
         "caps": caps(args),
-        "machine": {**machine(_threads()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "machine": run_machine(),
     }
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # last: marks the arm finished
     return result
@@ -262,18 +263,51 @@ def _stages_of(arm: str) -> list[str]:
     return [s for s in STAGES if s in used or any(s in NEEDS[u] for u in used)]
 
 
-def _threads() -> int:
+def save_report(root: Path, out: Path) -> dict[str, Any]:
+    """Copy the newest evaluation report under ``root`` and its predictions to ``out``; the report."""
+    report, predictions = _newest_report(root)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(predictions, out / "predictions.jsonl")
+    (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def scores(report: dict[str, Any], metrics: tuple[str, ...]) -> dict[str, Any]:
+    """``overall`` and ``by_category`` of an evaluation report, each with its task count and ``metrics``."""
+    keep = ("tasks", *metrics)
+    by_category = {c: {k: row.get(k) for k in keep} for c, row in report["by_category"].items()}
+    return {"overall": {k: report["overall"].get(k) for k in keep}, "by_category": by_category}
+
+
+def run_machine() -> dict[str, Any]:
+    """The machine facts of a result, with this process's torch threads and ``OMP_NUM_THREADS``."""
     import torch
 
-    return torch.get_num_threads()
+    return {**machine(torch.get_num_threads()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+
+
+def write_summary(out: Path, results: dict[str, dict], metrics: tuple[str, ...], caps: dict[str, Any]) -> None:
+    """``<out>/summary.json``: each arm's overall ``metrics`` and the caps; the table is printed too."""
+    table = {arm: {k: r["overall"][k] for k in metrics} for arm, r in results.items()}
+    (out / "summary.json").write_text(json.dumps({"arms": table, "caps": caps}, indent=2) + "\n")
+    print(json.dumps(table, indent=2))
+
+
+def data_caps(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoCoMo caps of the training conversations and of the held-apart one."""
+    return {
+        "train_conversations": args.train,
+        "sessions_per_conversation": args.max_sessions,
+        "questions_per_conversation": args.max_questions,
+        "held_apart_sessions": _val_caps(args)[0],
+        "held_apart_questions": _val_caps(args)[1],
+    }
 
 
 def caps(args: argparse.Namespace) -> dict[str, Any]:
     """What was capped so that each stage fits its time budget."""
     return {
-        "train_conversations": args.train,
-        "sessions_per_conversation": args.max_sessions,
-        "questions_per_conversation": args.max_questions,
+        **data_caps(args),
         "sft_steps": args.sft_steps,
         "sft_examples_per_step": args.sft_batch_size,
         "sft_lr": args.sft_lr,
@@ -282,8 +316,6 @@ def caps(args: argparse.Namespace) -> dict[str, Any]:
         "grpo_questions_per_step": args.questions_per_step,
         "grpo_group_size": args.group_size or "configs/shared/locomo_grpo.yaml (2)",
         "grpo_reward": args.reward,
-        "held_apart_sessions": _val_caps(args)[0],
-        "held_apart_questions": _val_caps(args)[1],
     }
 
 
@@ -310,9 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[arm] = json.loads(path.read_text())
         else:
             results[arm] = evaluate_arm(args, arm, extra, stages)
-    table = {arm: {k: r["overall"][k] for k in METRICS} for arm, r in results.items()}
-    (args.out / "summary.json").write_text(json.dumps({"arms": table, "caps": caps(args)}, indent=2) + "\n")
-    print(json.dumps(table, indent=2))
+    write_summary(args.out, results, METRICS, caps(args))
     return results
 
 

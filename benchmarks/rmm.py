@@ -33,16 +33,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ablation import _csv_mean, _newest_report, run_cli  # noqa: E402
-from bench_utils import machine  # noqa: E402
-from memory_r1 import _common, _data_args, _shown, _val_caps  # noqa: E402
+from ablation import _csv_mean, run_cli  # noqa: E402
+from memory_r1 import (  # noqa: E402
+    _common,
+    _data_args,
+    _shown,
+    _val_caps,
+    add_split_options,
+    data_caps,
+    run_machine,
+    save_report,
+    scores,
+    write_summary,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "rmm" / "locomo.yaml"
@@ -63,12 +72,7 @@ FIT_METRICS = ("reranker/reward", "reranker/citation_reward", "reranker/cited_fr
 
 def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--locomo", required=True, help="LoCoMo JSON file or folder")
-    p.add_argument("--train", nargs="+", required=True, help="training conversation ids (development ones)")
-    p.add_argument("--held-apart", required=True, help="the conversation every arm is evaluated on")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms to run (default: all)")
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="hub id, folder or tiny")
-    p.add_argument("--dtype", default="auto", help="model.init_args.dtype of every run")
+    add_split_options(p, list(ARMS), OUT, Path("logs/bench_rmm"))
     p.add_argument(
         "--embedding", default="hashing", choices=["hashing", "sentence-transformers"],
         help="vectors of the reranker and of the dense arm (sentence-transformers: the dense extra)",
@@ -77,14 +81,6 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=24, help="optimizer steps of each trained arm")
     p.add_argument("--questions_per_step", type=int, default=4, help="questions per step (x group_size)")
     p.add_argument("--reranker_lr", type=float, default=None, help="reranker learning rate (default: the config's)")
-    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation")
-    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation")
-    p.add_argument("--val_sessions", type=int, default=None, help="sessions of the held-apart one (default: as train)")
-    p.add_argument("--val_questions", type=int, default=None, help="its questions (default: as --max_questions)")
-    p.add_argument("--seed", type=int, default=0, help="seed_everything of every run")
-    p.add_argument("--out", type=Path, default=OUT, help="results folder")
-    p.add_argument("--work", type=Path, default=Path("logs/bench_rmm"), help="checkpoints and logs")
-    p.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
     return p.parse_known_args(argv)
 
 
@@ -136,41 +132,27 @@ def run_arm(args: argparse.Namespace, arm: str, extra: list[str]) -> dict[str, A
     if trained:
         command += ["--ckpt_path", str((args.work / arm / "fit" / "checkpoints" / "last.ckpt").resolve())]
     wall = run_cli(command, root, args.in_process)
-    report, predictions = _newest_report(root)
     out = args.out / arm
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(predictions, out / "predictions.jsonl")
-    (out / "eval_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = save_report(root, out)
     result = {
         "arm": arm,
         "held_apart": args.held_apart,
         "recall_k": args.recall_k,
-        "overall": {k: report["overall"].get(k) for k in ("tasks", *METRICS)},
-        "by_category": {c: {k: row.get(k) for k in ("tasks", *METRICS)} for c, row in report["by_category"].items()},
+        **scores(report, METRICS),
         "fit": trained,
         "eval_command": _shown(command, args),
         "eval_wall_s": round(wall, 1),
         "caps": caps(args),
-        "machine": {**machine(_threads()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "machine": run_machine(),
     }
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # last: marks the arm finished
     return result
 
 
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def caps(args: argparse.Namespace) -> dict[str, Any]:
     """What was capped so that each arm fits its time budget."""
     return {
-        "train_conversations": args.train,
-        "sessions_per_conversation": args.max_sessions,
-        "questions_per_conversation": args.max_questions,
-        "held_apart_sessions": _val_caps(args)[0],
-        "held_apart_questions": _val_caps(args)[1],
+        **data_caps(args),
         "steps": args.steps,
         "questions_per_step": args.questions_per_step,
         "group_size": "configs/shared/locomo_grpo.yaml (2)",
@@ -191,9 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[arm] = json.loads(path.read_text())
         else:
             results[arm] = run_arm(args, arm, extra)
-    table = {arm: {k: r["overall"][k] for k in METRICS} for arm, r in results.items()}
-    (args.out / "summary.json").write_text(json.dumps({"arms": table, "caps": caps(args)}, indent=2) + "\n")
-    print(json.dumps(table, indent=2))
+    write_summary(args.out, results, METRICS, caps(args))
     return results
 
 

@@ -64,3 +64,10 @@ def write_locomo(folder: Path, name: str = "conv-test", conversation: dict[str, 
     path = folder / f"{name}.json"
     path.write_text(json.dumps(conversation if conversation is not None else locomo_conversation()))
     return path
+
+
+def write_two_conversations(folder: Path) -> Path:
+    """Write ``conv-a`` and ``conv-b`` (the same dialogue with Ana renamed Eva) into ``folder``; the folder."""
+    write_locomo(folder, "conv-a")
+    write_locomo(folder, "conv-b", json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva")))
+    return folder

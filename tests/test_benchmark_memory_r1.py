@@ -6,7 +6,7 @@ import importlib
 import json
 from pathlib import Path
 
-from locomo_fixture import locomo_conversation, write_locomo
+from locomo_fixture import write_two_conversations
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 METRICS = ("exact_match", "f1", "bleu1", "evidence_recall", "valid_operations")
@@ -15,9 +15,7 @@ METRICS = ("exact_match", "f1", "bleu1", "evidence_recall", "valid_operations")
 def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finished_ones(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("memory_r1")
-    data = tmp_path / "data"
-    write_locomo(data, "conv-a")
-    write_locomo(data, "conv-b", json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva")))
+    data = write_two_conversations(tmp_path / "data")
     out, work = tmp_path / "out", tmp_path / "work"
     argv = [
         "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",

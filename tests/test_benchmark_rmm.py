@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from locomo_fixture import locomo_conversation, write_locomo
+from locomo_fixture import write_two_conversations
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
@@ -15,9 +15,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 def test_every_arm_is_validated_on_the_held_apart_conversation_and_finished_arms_are_skipped(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     bench = importlib.import_module("rmm")
-    data = tmp_path / "data"
-    write_locomo(data, "conv-a")
-    write_locomo(data, "conv-b", json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva")))
+    data = write_two_conversations(tmp_path / "data")
     out, work = tmp_path / "out", tmp_path / "work"
     argv = [
         "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from locomo_fixture import locomo_conversation, write_locomo
+from locomo_fixture import write_locomo, write_two_conversations
 from test_cli import REPO, _cli, _ok
 
 TINY_MODEL = [
@@ -38,9 +38,7 @@ TINY_MODEL = [
     ],
 )
 def test_config_fits_and_validates_with_the_tiny_model(tmp_path, config, workflow_args):
-    write_locomo(tmp_path / "data", "conv-a")
-    other = json.loads(json.dumps(locomo_conversation()).replace("Ana", "Eva"))  # another conversation
-    write_locomo(tmp_path / "data", "conv-b", other)  # the last conversation validates, conv-a trains
+    write_two_conversations(tmp_path / "data")  # the last conversation (conv-b) validates, conv-a trains
     path = str(REPO / "configs" / config.removesuffix("_locomo") / "locomo.yaml")
     args = ["--config", path, "--data.init_args.locomo_path", str(tmp_path / "data"), *TINY_MODEL, *workflow_args]
     proc = _ok(_cli("fit", *args, cwd=tmp_path))
