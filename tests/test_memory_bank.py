@@ -173,3 +173,22 @@ def test_memory_package_has_one_module_per_concern():
     assert {name: getattr(memory, name).__module__ for name in homes} == {
         name: f"lightning_memrl.memory.{home}" for name, home in homes.items()
     }
+
+
+def test_sentence_transformer_vectors_can_train_a_reranker():
+    """encode() returns inference-mode tensors; the embedder's vectors must still enter autograd."""
+    from lightning_memrl.memory.embedders import SentenceTransformerEmbedder
+    from lightning_memrl.workflows.rmm_reranker import Reranker
+
+    class InferenceModeEncoder:
+        def encode(self, texts: list[str], **kwargs) -> torch.Tensor:
+            with torch.inference_mode():
+                return torch.nn.functional.normalize(torch.arange(1.0, 1 + 4 * len(texts)).view(len(texts), 4), dim=1)
+
+    embedder = SentenceTransformerEmbedder.__new__(SentenceTransformerEmbedder)  # no model download: a stand-in
+    embedder.model, embedder.dim = InferenceModeEncoder(), 4
+    vectors = embedder.embed(["q", "m1", "m2"])  # [3, 4]
+    assert not vectors.is_inference()
+    reranker = Reranker(4)
+    reranker(vectors[0], vectors[1:]).sum().backward()
+    assert reranker.query_adapter.weight.grad is not None and reranker.query_adapter.weight.grad.abs().sum() > 0

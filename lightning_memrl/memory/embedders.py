@@ -80,7 +80,9 @@ class SentenceTransformerEmbedder:
         if not texts:
             return torch.zeros(0, self.dim)
         vectors = self.model.encode(texts, convert_to_tensor=True, normalize_embeddings=True, show_progress_bar=False)
-        return vectors.float().cpu()
+        # encode() runs under torch.inference_mode: its tensors cannot enter autograd (RMM's reranker
+        # trains on them), so they are copied out of inference mode
+        return vectors.float().cpu().clone()
 
 
 def build_embedder(embedding: str, dim: int = 256, model: str | None = None) -> Embedder:
