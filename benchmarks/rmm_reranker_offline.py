@@ -1,0 +1,273 @@
+"""Can RMM's reranker learn from evidence rewards on conversations it did not train on? Checked offline.
+
+    python benchmarks/rmm_reranker_offline.py --locomo PATH --conversations conv-26 conv-30 conv-41 conv-42
+
+The online arm of ``benchmarks/rmm.py`` spends about a minute per step on the generator's answers, though
+the evidence reward (+1 when a shown memory holds one of the question's annotated evidence turns, −1
+otherwise; not RMM's citation reward) does not need them. This script trains the same reranker with the
+same rule away from the generator, so learning rates and step counts can be tried in minutes:
+
+1. The memory banks of ``--conversations`` are built once by RMM's prospective reflection
+   (``RMMWorkflow.build_banks``, greedy, the workflow options of ``configs/rmm/locomo.yaml``, the base
+   ``--model``) and cached in ``--banks`` (JSON; reused when it exists).
+2. Each question with evidence retrieves its first-stage top ``top_k`` (the config's retriever) and embeds the
+   question and the candidates with ``--embedding``.
+3. Leave one conversation out: for each held conversation, lr, step count and seed, a fresh reranker
+   (identity adapters) trains on the other conversations' questions, ``--questions_per_step`` questions ×
+   ``--group_size`` Gumbel top-``top_m`` selections a step, with the workflow's own functions
+   (:func:`gumbel_top_m`, :func:`selection_log_probs`, :func:`evidence_rewards`, :func:`reinforce_loss`), the
+   workflow's running-mean baseline and the learner's optimizer (AdamW, no weight decay).
+4. Reported per fold: Recall@``top_m`` of the evidence turns among the sources of the ``top_m`` memories
+   the reranker keeps without noise, trained against identity (the gain).
+
+Only the conversations named are read, so the held-apart one of ``benchmarks/rmm.py`` stays unseen while
+tuning. Results: ``benchmarks/results/rmm_reranker_offline[_<tag>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import yaml
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_utils as bu  # noqa: E402
+
+from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo  # noqa: E402
+from lightning_memrl.evaluation.metrics import evidence_recall  # noqa: E402
+from lightning_memrl.memory.bank import MemoryBank  # noqa: E402
+from lightning_memrl.workflows.bank import conversation_of  # noqa: E402
+from lightning_memrl.workflows.rmm import RMMWorkflow  # noqa: E402
+from lightning_memrl.workflows.rmm_reranker import (  # noqa: E402
+    Reranker,
+    evidence_rewards,
+    gumbel_top_m,
+    reinforce_loss,
+    selection_log_probs,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "rmm" / "locomo.yaml"
+log = logging.getLogger("rmm_reranker_offline")
+
+
+class Question(NamedTuple):
+    """One question's first-stage candidates, as the reranker sees them."""
+
+    query: Tensor  # [D]
+    memories: Tensor  # [K, D]
+    sources: list[list[str]]  # source dia_ids of each candidate
+    evidence: list[str]  # the question's evidence dia_ids
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--locomo", required=True, help="LoCoMo JSON file or folder")
+    p.add_argument("--conversations", nargs="+", required=True, help="development conversations (>= 2)")
+    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per conversation (0: all)")
+    p.add_argument("--max_questions", type=int, default=0, help="questions per conversation (0: all)")
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="the reflection's model")
+    p.add_argument("--dtype", default="auto", help="its weight dtype")
+    p.add_argument("--embedding", default="sentence-transformers", help="hashing | sentence-transformers")
+    p.add_argument("--banks", type=Path, default=None, help="bank cache (default: logs/rmm_banks_<tag>.json)")
+    p.add_argument("--top_k", type=int, default=10, help="first-stage candidates per question (RMM's K)")
+    p.add_argument("--top_m", type=int, default=5, help="memories the reranker keeps (RMM's M; Recall@M)")
+    p.add_argument("--temperature", type=float, default=0.5, help="softmax temperature of the selection")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1e-4, 1e-5], help="learning rates tried")
+    p.add_argument("--steps", type=int, nargs="+", default=[16, 64], help="optimizer step counts tried")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of each fold")
+    p.add_argument("--questions_per_step", type=int, default=4, help="questions per optimizer step")
+    p.add_argument("--group_size", type=int, default=2, help="sampled selections per question")
+    p.add_argument("--baseline_momentum", type=float, default=0.9, help="running-mean factor of the baseline")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--tag", default="", help="suffix of the result and bank file names")
+    args = p.parse_args(argv)
+    if len(args.conversations) < 2:
+        p.error("--conversations needs at least 2 conversations: one is held out in turn")
+    if not 1 <= args.top_m <= args.top_k:
+        p.error(f"--top_m must lie in 1..--top_k, got --top_m {args.top_m} --top_k {args.top_k}")
+    args.banks = args.banks or Path("logs") / f"rmm_banks{'_' + args.tag if args.tag else ''}.json"
+    return args
+
+
+def workflow_of(args: argparse.Namespace) -> RMMWorkflow:
+    """RMM's workflow with ``configs/rmm/locomo.yaml``'s options, the chosen embedding, ``top_k`` and ``top_m``."""
+    options = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["workflow"]["init_args"]
+    options.pop("judge", None)
+    options.update(embedding=args.embedding, top_k=args.top_k, top_m=args.top_m, temperature=args.temperature)
+    options["train_generator"] = False  # the base model reflects; nothing here trains it
+    return RMMWorkflow(**options)
+
+
+def load_tasks(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """The tasks of each conversation in ``--conversations`` under the session and question caps."""
+    settings = LoCoMoSettings(
+        max_sessions=args.max_sessions or None, max_questions=args.max_questions or None, conversations=None
+    )
+    tasks: dict[str, list[Any]] = {}
+    for conversation in args.conversations:
+        settings.conversations = [conversation]
+        tasks[conversation] = load_locomo(args.locomo, settings)
+        if not tasks[conversation]:
+            raise SystemExit(f"--conversations {conversation}: no question of {args.locomo} kept under the caps")
+    return tasks
+
+
+def build_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]]) -> dict[str, Any]:
+    """Build every conversation's bank with the base model's greedy reflection, then cache it in ``--banks``."""
+    from lightning_memrl.models import load_policy, load_tokenizer
+    from lightning_memrl.rollout.hf import RolloutEngine
+    from lightning_memrl.settings import GenerationSettings
+
+    generation = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["generation"]
+    tokenizer = load_tokenizer(args.model)
+    engine = RolloutEngine(load_policy(args.model, tokenizer, dtype=args.dtype), tokenizer)
+    conversations = [conversation_of(tasks[c][0]) for c in args.conversations]
+    start = time.perf_counter()
+    with torch.no_grad():
+        built = workflow.build_banks(engine, conversations, GenerationSettings(**generation).greedy(), False)
+    cache = {
+        "model": args.model,
+        "max_sessions": args.max_sessions or None,
+        "build_s": time.perf_counter() - start,
+        "banks": {c.id: bank.state_dict() for c, (bank, _) in zip(conversations, built)},
+    }
+    args.banks.parent.mkdir(parents=True, exist_ok=True)
+    args.banks.write_text(json.dumps(cache, indent=1) + "\n")
+    return cache
+
+
+def load_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]]) -> dict[str, Any]:
+    """The cached banks when ``--banks`` holds every conversation under the same caps, else freshly built ones."""
+    if args.banks.exists():
+        cache = json.loads(args.banks.read_text())
+        if set(args.conversations) <= set(cache["banks"]) and cache["max_sessions"] == (args.max_sessions or None):
+            return cache
+        log.warning("%s lacks some conversation or has other session caps: rebuilding it", args.banks)
+    return build_banks(args, workflow, tasks)
+
+
+def questions_of(workflow: RMMWorkflow, bank: MemoryBank, tasks: list[Any], skipped: dict[str, int]) -> list[Question]:
+    """Each task with evidence and at least one first-stage candidate; ``skipped`` counts the others."""
+    out = []
+    for task in tasks:
+        evidence = task.meta.get("evidence") or []
+        candidates = [e for e, _ in bank.retrieve(task.question, workflow.top_k, workflow.min_retrieval_score)]
+        if not evidence or not candidates:
+            skipped["no evidence" if not evidence else "no candidate"] += 1
+            continue
+        query = workflow.embedder.embed([task.question])[0]  # [D]
+        memories = workflow.embedder.embed([e.text for e in candidates])  # [K, D]
+        out.append(Question(query, memories, [list(e.source_ids) for e in candidates], evidence))
+    return out
+
+
+def recall_at_m(reranker: Reranker, questions: list[Question], top_m: int) -> float:
+    """Mean Recall@``top_m`` of the evidence turns among the sources of the noiseless top ``top_m``."""
+    values = []
+    with torch.no_grad():
+        for q in questions:
+            kept = torch.topk(reranker(q.query, q.memories), min(top_m, len(q.sources))).indices.tolist()
+            values.append(evidence_recall({s for i in kept for s in q.sources[i]}, q.evidence))
+    return statistics.fmean(values)
+
+
+def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, args: argparse.Namespace) -> Reranker:
+    """A fresh reranker after ``steps`` REINFORCE steps on evidence rewards, as the workflow trains it online."""
+    torch.manual_seed(seed)
+    reranker = Reranker(questions[0].query.numel())
+    optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=0.0)
+    baseline, order = 0.0, []
+    for _ in range(steps):
+        while len(order) < args.questions_per_step:
+            order += torch.randperm(len(questions)).tolist()
+        batch, order = order[: args.questions_per_step], order[args.questions_per_step :]
+        losses, rewards = [], []
+        for q in (questions[i] for i in batch):
+            for _ in range(args.group_size):
+                scores = reranker(q.query, q.memories)  # [K]
+                chosen = gumbel_top_m(scores, args.top_m, args.temperature)  # [M]
+                reward = evidence_rewards([q.sources[i] for i in chosen.tolist()], q.evidence)  # [M]
+                losses.append(reinforce_loss(selection_log_probs(scores, chosen, args.temperature), reward, baseline))
+                rewards.append(reward)
+        optimizer.zero_grad()
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        mean_reward = float(torch.cat(rewards).mean())
+        baseline = args.baseline_momentum * baseline + (1 - args.baseline_momentum) * mean_reward
+    return reranker
+
+
+def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dict[str, Any]]:
+    """Every (lr, steps): per held-out conversation and seed, Recall@M trained minus identity."""
+    identity = {c: recall_at_m(Reranker(qs[0].query.numel()), qs, args.top_m) for c, qs in data.items()}
+    rows = []
+    for lr in args.lrs:
+        for steps in args.steps:
+            gains: dict[str, list[float]] = {}
+            for held in data:
+                train = [q for c, qs in data.items() if c != held for q in qs]
+                gains[held] = [
+                    recall_at_m(train_reranker(train, lr, steps, seed, args), data[held], args.top_m) - identity[held]
+                    for seed in args.seeds
+                ]
+            flat = [g for values in gains.values() for g in values]
+            row = {"lr": lr, "steps": steps, "mean_gain": statistics.fmean(flat), "gains": gains}
+            row["folds_improved"] = sum(statistics.fmean(v) > 0 for v in gains.values())
+            row["folds_worse"] = sum(statistics.fmean(v) < 0 for v in gains.values())
+            print(
+                f"lr {lr:g}, {steps} steps: mean Recall@{args.top_m} gain {100 * row['mean_gain']:+.1f} points; "
+                f"folds better / worse: {row['folds_improved']} / {row['folds_worse']} of {len(gains)}",
+                flush=True,
+            )
+            rows.append(row)
+    return [{"identity_recall": identity}, *rows]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _args(argv)
+    bu.set_threads(args.threads)
+    workflow = workflow_of(args)
+    tasks = load_tasks(args)
+    cache = load_banks(args, workflow, tasks)
+    skipped = {"no evidence": 0, "no candidate": 0}
+    data = {}
+    for conversation in args.conversations:
+        bank = workflow.new_bank()
+        bank.load_state_dict(cache["banks"][conversation])
+        data[conversation] = questions_of(workflow, bank, tasks[conversation], skipped)
+        print(f"{conversation}: bank of {len(bank)} memories, {len(data[conversation])} questions scored")
+    if any(n for n in skipped.values()):
+        print(f"questions skipped: {skipped}")
+    empty = [c for c, qs in data.items() if not qs]
+    if empty:
+        raise SystemExit(f"no question of {empty} has first-stage candidates: the reflection wrote no memory there")
+    identity, *rows = sweep(args, data)
+    result = {
+        "command": "python benchmarks/rmm_reranker_offline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": bu.machine(args.threads),
+        "model": cache["model"],
+        "bank_build_s": cache["build_s"],
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "questions": {c: len(qs) for c, qs in data.items()},
+        "bank_sizes": {c: len(cache["banks"][c]["entries"]) for c in args.conversations},
+        "skipped": skipped,
+        **identity,
+        "runs": rows,
+    }
+    path = bu.write_result("rmm_reranker_offline" + (f"_{args.tag}" if args.tag else ""), result)
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""benchmarks/rmm_reranker_offline.py: leave-one-conversation-out training of RMM's reranker on cached banks."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+from locomo_fixture import write_two_conversations
+
+from lightning_memrl.memory.bank import MemoryBank
+from lightning_memrl.memory.embedders import HashingEmbedder
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+FACTS = [  # (memory, its source turns) of the fixture's dialogue
+    ("Ana adopted a cat named Miso.", ["D1:1"]),
+    ("Ben started learning the violin.", ["D1:2"]),
+    ("Ben moved to Lisbon.", ["D2:2"]),
+    ("Ben's violin teacher is Rosa.", ["D3:1"]),
+]
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = importlib.import_module("rmm_reranker_offline")
+    monkeypatch.setattr(module.bu, "RESULTS", tmp_path / "results")
+    return module
+
+
+def _write_banks(path: Path) -> None:
+    banks = {}
+    for conversation, name in (("conv-a", "Ana"), ("conv-b", "Eva")):
+        bank = MemoryBank()
+        for text, sources in FACTS:
+            bank.add(text.replace("Ana", name), "session_1", "", sources)
+        banks[conversation] = bank.state_dict()
+    path.write_text(json.dumps({"model": "by hand", "max_sessions": None, "build_s": 0.0, "banks": banks}))
+
+
+def _argv(tmp_path: Path, *extra: str) -> list[str]:
+    data = write_two_conversations(tmp_path / "data")
+    return [
+        "--locomo", str(data), "--conversations", "conv-a", "conv-b", "--max_sessions", "0",
+        "--embedding", "hashing", "--banks", str(tmp_path / "banks.json"), "--top_k", "4", *extra,
+    ]  # fmt: skip
+
+
+def test_identity_recall_is_dense_retrieval_and_a_zero_learning_rate_gains_nothing(bench, tmp_path):
+    _write_banks(tmp_path / "banks.json")
+    argv = _argv(tmp_path, "--top_m", "1", "--lrs", "0", "0.5", "--steps", "0", "3", "--seeds", "0", "1")
+    result = bench.main(argv)
+    assert result["questions"] == {"conv-a": 4, "conv-b": 4} and result["bank_sizes"] == {"conv-a": 4, "conv-b": 4}
+    assert result["skipped"] == {"no evidence": 0, "no candidate": 0}
+    # identity adapters score by the dot product of the embeddings: over all 4 memories that is dense retrieval
+    embedder = HashingEmbedder(256)
+    questions = {  # the fixture's questions of categories 1-4 and their evidence turns
+        "What is the name of Ana's cat?": ["D1:1"],
+        "Where did Ben move?": ["D2:2"],
+        "In what year did Ana adopt a cat?": ["D1:1"],
+        "Who teaches Ben?": ["D3:1", "D1:2"],
+    }
+    bank = MemoryBank("dense", embedder)
+    for text, sources in FACTS:
+        bank.add(text, "session_1", "", sources)
+    expected = []
+    for question, evidence in questions.items():
+        top = bank.retrieve(question, 1, None)[0][0]
+        expected.append(sum(e in top.source_ids for e in evidence) / len(evidence))
+    assert result["identity_recall"]["conv-a"] == pytest.approx(sum(expected) / 4)
+    runs = {(r["lr"], r["steps"]): r for r in result["runs"]}
+    assert set(runs) == {(0.0, 0), (0.0, 3), (0.5, 0), (0.5, 3)}
+    for key in ((0.0, 0), (0.0, 3), (0.5, 0)):  # no step, or steps of size 0: still the identity
+        assert runs[key]["gains"] == {"conv-a": [0.0, 0.0], "conv-b": [0.0, 0.0]} and runs[key]["mean_gain"] == 0.0
+    written = json.loads((tmp_path / "results" / "rmm_reranker_offline.json").read_text())
+    assert written["runs"] == json.loads(json.dumps(result["runs"]))
+    assert "--conversations conv-a conv-b" in written["command"]
+
+
+def test_keeping_every_candidate_recalls_all_evidence(bench, tmp_path):
+    _write_banks(tmp_path / "banks.json")
+    result = bench.main(_argv(tmp_path, "--top_m", "4", "--lrs", "0.5", "--steps", "2", "--seeds", "0"))
+    assert result["identity_recall"] == {"conv-a": 1.0, "conv-b": 1.0}
+    assert result["runs"][0]["gains"] == {"conv-a": [0.0], "conv-b": [0.0]}  # nothing left to reorder
+
+
+def test_banks_are_built_with_the_model_and_an_empty_bank_stops_with_a_message(bench, tmp_path):
+    argv = _argv(tmp_path, "--model", "tiny", "--dtype", "float32", "--top_m", "2", "--lrs", "0.1", "--steps", "1")
+    with pytest.raises(SystemExit, match=r"no question of \['conv-a', 'conv-b'\] has first-stage candidates"):
+        bench.main(argv)  # the tiny model's reflection writes no memory
+    cache = json.loads((tmp_path / "banks.json").read_text())
+    assert cache["model"] == "tiny" and set(cache["banks"]) == {"conv-a", "conv-b"} and cache["build_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--conversations", "conv-a"], "--conversations needs at least 2 conversations"),
+        (["--conversations", "conv-a", "conv-b", "--top_m", "11"], "--top_m must lie in 1..--top_k, got --top_m 11"),
+    ],
+)
+def test_bad_options_are_refused_naming_them(bench, tmp_path, capsys, options, message):
+    with pytest.raises(SystemExit):
+        bench.main(["--locomo", str(tmp_path), *options])
+    assert message in capsys.readouterr().err
