@@ -13,12 +13,16 @@ same rule away from the generator, so learning rates and step counts can be trie
 2. Each question with evidence retrieves its first-stage top ``top_k`` (the config's retriever) and embeds the
    question and the candidates with ``--embedding``.
 3. Leave one conversation out: for each held conversation, lr, step count and seed, a fresh reranker
-   (identity adapters) trains on the other conversations' questions, ``--questions_per_step`` questions ×
-   ``--group_size`` Gumbel top-``top_m`` selections a step, with the workflow's own functions
-   (:func:`gumbel_top_m`, :func:`selection_log_probs`, :func:`evidence_rewards`, :func:`reinforce_loss`), the
-   workflow's running-mean baseline and the learner's optimizer (AdamW, no weight decay).
+   (identity adapters) trains on the other conversations' questions, ``--questions_per_step`` questions a
+   step. ``--objective reinforce`` (default): ``--group_size`` Gumbel top-``top_m`` selections per question,
+   scored with the workflow's own functions (:func:`gumbel_top_m`, :func:`selection_log_probs`,
+   :func:`evidence_rewards`, :func:`reinforce_loss`) and its running-mean baseline. ``supervised``:
+   cross-entropy on the evidence labels of the candidates, a bound on what the adapters can learn from
+   these questions (not RMM). Both with the learner's optimizer (AdamW, no weight decay).
 4. Reported per fold: Recall@``top_m`` of the evidence turns among the sources of the ``top_m`` memories
-   the reranker keeps without noise, trained against identity (the gain).
+   the reranker keeps without noise, trained against identity (the gain), and the same gain on the
+   training questions themselves (whether the rule fits what it trains on); per conversation, the
+   identity's Recall@``top_m`` and the first stage's Recall@``top_k`` (the most any reranking reaches).
 
 Only the conversations named are read, so the held-apart one of ``benchmarks/rmm.py`` stays unseen while
 tuning. Results: ``benchmarks/results/rmm_reranker_offline[_<tag>].json``.
@@ -87,6 +91,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of each fold")
     p.add_argument("--questions_per_step", type=int, default=4, help="questions per optimizer step")
     p.add_argument("--group_size", type=int, default=2, help="sampled selections per question")
+    p.add_argument(
+        "--objective", choices=["reinforce", "supervised"], default="reinforce",
+        help="reinforce: the workflow's rule on evidence rewards; supervised: cross-entropy on the evidence labels "
+        "(a bound on what the adapters can learn from these questions, not RMM)",
+    )  # fmt: skip
     p.add_argument("--baseline_momentum", type=float, default=0.9, help="running-mean factor of the baseline")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--tag", default="", help="suffix of the result and bank file names")
@@ -181,8 +190,33 @@ def recall_at_m(reranker: Reranker, questions: list[Question], top_m: int) -> fl
     return statistics.fmean(values)
 
 
+def reinforce_step_loss(reranker: Reranker, batch: list[Question], args: argparse.Namespace, baseline: float):
+    """The workflow's REINFORCE loss over ``--group_size`` Gumbel selections per question, and the rewards."""
+    losses, rewards = [], []
+    for q in batch:
+        for _ in range(args.group_size):
+            scores = reranker(q.query, q.memories)  # [K]
+            chosen = gumbel_top_m(scores, args.top_m, args.temperature)  # [M]
+            reward = evidence_rewards([q.sources[i] for i in chosen.tolist()], q.evidence)  # [M]
+            losses.append(reinforce_loss(selection_log_probs(scores, chosen, args.temperature), reward, baseline))
+            rewards.append(reward)
+    return torch.stack(losses).mean(), float(torch.cat(rewards).mean())
+
+
+def supervised_step_loss(reranker: Reranker, batch: list[Question], args: argparse.Namespace) -> Tensor:
+    """Cross-entropy of ``softmax(scores / temperature)`` [K] against the candidates holding evidence,
+    spread evenly over them: the reranker told the labels, a bound on what its adapters can learn (not RMM)."""
+    losses = []
+    for q in batch:
+        labels = torch.tensor([1.0 if set(q.evidence) & set(s) else 0.0 for s in q.sources])  # [K]
+        if labels.sum() > 0:  # no candidate holds evidence: nothing to pull up
+            log_probs = torch.log_softmax(reranker(q.query, q.memories) / args.temperature, dim=-1)  # [K]
+            losses.append(-(log_probs * labels).sum() / labels.sum())
+    return torch.stack(losses).mean() if losses else torch.zeros((), requires_grad=True)
+
+
 def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, args: argparse.Namespace) -> Reranker:
-    """A fresh reranker after ``steps`` REINFORCE steps on evidence rewards, as the workflow trains it online."""
+    """A fresh reranker after ``steps`` steps of ``--objective`` (REINFORCE: as the workflow trains it online)."""
     torch.manual_seed(seed)
     reranker = Reranker(questions[0].query.numel())
     optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=0.0)
@@ -190,47 +224,51 @@ def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, 
     for _ in range(steps):
         while len(order) < args.questions_per_step:
             order += torch.randperm(len(questions)).tolist()
-        batch, order = order[: args.questions_per_step], order[args.questions_per_step :]
-        losses, rewards = [], []
-        for q in (questions[i] for i in batch):
-            for _ in range(args.group_size):
-                scores = reranker(q.query, q.memories)  # [K]
-                chosen = gumbel_top_m(scores, args.top_m, args.temperature)  # [M]
-                reward = evidence_rewards([q.sources[i] for i in chosen.tolist()], q.evidence)  # [M]
-                losses.append(reinforce_loss(selection_log_probs(scores, chosen, args.temperature), reward, baseline))
-                rewards.append(reward)
+        batch, order = [questions[i] for i in order[: args.questions_per_step]], order[args.questions_per_step :]
+        if args.objective == "supervised":
+            loss = supervised_step_loss(reranker, batch, args)
+        else:
+            loss, mean_reward = reinforce_step_loss(reranker, batch, args, baseline)
+            baseline = args.baseline_momentum * baseline + (1 - args.baseline_momentum) * mean_reward
         optimizer.zero_grad()
-        torch.stack(losses).mean().backward()
+        loss.backward()
         optimizer.step()
-        mean_reward = float(torch.cat(rewards).mean())
-        baseline = args.baseline_momentum * baseline + (1 - args.baseline_momentum) * mean_reward
     return reranker
 
 
 def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dict[str, Any]]:
-    """Every (lr, steps): per held-out conversation and seed, Recall@M trained minus identity."""
+    """Every (lr, steps): per held-out conversation and seed, Recall@M trained minus identity; also the identity's
+    Recall@M and the first stage's Recall@K (what any reranker of the K candidates can reach)."""
     identity = {c: recall_at_m(Reranker(qs[0].query.numel()), qs, args.top_m) for c, qs in data.items()}
+    ceiling = {c: recall_at_m(Reranker(qs[0].query.numel()), qs, args.top_k) for c, qs in data.items()}
+    print(f"Recall@{args.top_m} of the identity (and of all top {args.top_k} candidates): ", end="")
+    print(", ".join(f"{c} {100 * identity[c]:.1f} ({100 * ceiling[c]:.1f})" for c in data))
     rows = []
     for lr in args.lrs:
         for steps in args.steps:
             gains: dict[str, list[float]] = {}
+            fitted: list[float] = []  # the same on the training questions: does the rule fit what it sees?
             for held in data:
                 train = [q for c, qs in data.items() if c != held for q in qs]
-                gains[held] = [
-                    recall_at_m(train_reranker(train, lr, steps, seed, args), data[held], args.top_m) - identity[held]
-                    for seed in args.seeds
-                ]
+                start = recall_at_m(Reranker(train[0].query.numel()), train, args.top_m)
+                gains[held] = []
+                for seed in args.seeds:
+                    reranker = train_reranker(train, lr, steps, seed, args)
+                    gains[held].append(recall_at_m(reranker, data[held], args.top_m) - identity[held])
+                    fitted.append(recall_at_m(reranker, train, args.top_m) - start)
             flat = [g for values in gains.values() for g in values]
             row = {"lr": lr, "steps": steps, "mean_gain": statistics.fmean(flat), "gains": gains}
+            row["mean_training_gain"] = statistics.fmean(fitted)
             row["folds_improved"] = sum(statistics.fmean(v) > 0 for v in gains.values())
             row["folds_worse"] = sum(statistics.fmean(v) < 0 for v in gains.values())
             print(
-                f"lr {lr:g}, {steps} steps: mean Recall@{args.top_m} gain {100 * row['mean_gain']:+.1f} points; "
+                f"lr {lr:g}, {steps} steps: mean Recall@{args.top_m} gain {100 * row['mean_gain']:+.1f} points "
+                f"(on its training questions {100 * row['mean_training_gain']:+.1f}); "
                 f"folds better / worse: {row['folds_improved']} / {row['folds_worse']} of {len(gains)}",
                 flush=True,
             )
             rows.append(row)
-    return [{"identity_recall": identity}, *rows]
+    return [{"identity_recall": identity, "first_stage_recall": ceiling}, *rows]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -73,6 +73,7 @@ def test_identity_recall_is_dense_retrieval_and_a_zero_learning_rate_gains_nothi
     assert set(runs) == {(0.0, 0), (0.0, 3), (0.5, 0), (0.5, 3)}
     for key in ((0.0, 0), (0.0, 3), (0.5, 0)):  # no step, or steps of size 0: still the identity
         assert runs[key]["gains"] == {"conv-a": [0.0, 0.0], "conv-b": [0.0, 0.0]} and runs[key]["mean_gain"] == 0.0
+        assert runs[key]["mean_training_gain"] == 0.0
     written = json.loads((tmp_path / "results" / "rmm_reranker_offline.json").read_text())
     assert written["runs"] == json.loads(json.dumps(result["runs"]))
     assert "--conversations conv-a conv-b" in written["command"]
@@ -104,3 +105,15 @@ def test_bad_options_are_refused_naming_them(bench, tmp_path, capsys, options, m
     with pytest.raises(SystemExit):
         bench.main(["--locomo", str(tmp_path), *options])
     assert message in capsys.readouterr().err
+
+
+def test_supervised_objective_fits_its_training_questions(bench, tmp_path):
+    _write_banks(tmp_path / "banks.json")
+    argv = _argv(tmp_path, "--top_m", "1", "--objective", "supervised", "--lrs", "0.05", "--steps", "40")
+    result = bench.main([*argv, "--seeds", "0", "--questions_per_step", "3"])
+    assert result["first_stage_recall"] == {"conv-a": 1.0, "conv-b": 1.0}  # top 4 of 4: every memory
+    run = result["runs"][0]
+    # told which memory holds the evidence, the top 1 of the other conversation's questions becomes right
+    # (Who teaches Ben? needs D3:1 and D1:2, two memories: at most 1/2 with one kept)
+    identity = sum(result["identity_recall"].values()) / 2  # each fold trains on the other conversation
+    assert identity < 3.5 / 4 and identity + run["mean_training_gain"] == pytest.approx(3.5 / 4)

@@ -132,6 +132,14 @@ def test_parse_items_and_segments(tasks):
     )
     assert counts == {"uncited": 1}
     assert items == [("Ben plays violin", ["D1:2"]), ("Ana likes tea", ["D1:1", "D1:2"])]  # D9:9 is not in the segment
+    # a line repeating the prompt's example (small models copy it) is dropped and counted; a short one is kept
+    prompt = "List the facts, e.g.\n[D1:3] Caroline went to a support group on 7 May 2023."
+    text = "[D1:3] Caroline went to a Support Group on 7 May 2023\n[D1:1] Ana has a cat\n[D1:2] facts"
+    assert parse_items(text, ["D1:1", "D1:2"], 5, counts, instructions=prompt) == [
+        ("Ana has a cat", ["D1:1"]),
+        ("facts", ["D1:2"]),
+    ]
+    assert counts == {"uncited": 1, "copied": 1}
     segments = split_segments(tasks[0].meta["conversation"], turns_per_segment=1)
     assert [s.source_ids for s in segments] == [["D1:1"], ["D1:2"], ["D2:1"], ["D2:2"], ["D3:1"]]
 

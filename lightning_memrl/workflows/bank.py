@@ -68,15 +68,25 @@ def split_segments(conversation: Conversation, turns_per_segment: int = 0) -> li
     return out
 
 
+def _normalized(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
 def parse_items(
-    text: str, segment_ids: list[str], max_items: int, counts: Counter[str] | None = None
+    text: str,
+    segment_ids: list[str],
+    max_items: int,
+    counts: Counter[str] | None = None,
+    instructions: str = "",
 ) -> list[tuple[str, list[str]]]:
     """Lines of a model's list (bullets and numbers stripped) with the dia_ids they cite.
 
     A line citing ids of the segment (``[D1:3]``) keeps those as its sources; otherwise it gets
     every id of the segment (counted as ``uncited`` in ``counts``). Empty lines, headers ending in
-    ``:`` and "none" are skipped.
+    ``:`` and "none" are skipped, and so is a line that repeats ``instructions`` (the prompt's own
+    words, e.g. its example line: small models copy it), counted as ``copied``.
     """
+    prompt_words = _normalized(instructions)
     items = []
     for line in text.splitlines():
         line = _BULLET.sub("", line).strip()
@@ -86,6 +96,11 @@ def parse_items(
             continue
         line = line.strip(" -:")
         if not line or line.lower() in ("none", "no facts", "n/a") or len(line) < 3:
+            continue
+        words = _normalized(line)
+        if prompt_words and len(words.split()) >= 3 and f" {words} " in f" {prompt_words} ":
+            if counts is not None:
+                counts["copied"] += 1
             continue
         known = [c for c in cited if c in segment_ids]
         if not known and counts is not None:

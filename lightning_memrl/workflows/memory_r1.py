@@ -185,11 +185,14 @@ class MemoryR1Workflow(BankWorkflow):
         turns_of: list[list[Turn]] = [[] for _ in todo]
         uncited: Counter[str] = Counter()
         for (i, seg), turn in zip(jobs, turns):
-            facts[i].append(parse_items(turn.text, seg.source_ids, self.max_facts, uncited))
+            facts[i].append(parse_items(turn.text, seg.source_ids, self.max_facts, uncited, self.extract_template))
             turns_of[i].append(turn)
-        if uncited:
+        if uncited["uncited"]:
             self.counters["facts_without_turn_id"] += uncited["uncited"]
             log.info("extractor: %d facts cite no turn id (credited with their whole segment)", uncited["uncited"])
+        if uncited["copied"]:
+            self.counters["facts_copied_from_prompt"] += uncited["copied"]
+            log.warning("extractor: %d facts repeat the prompt's own words (dropped)", uncited["copied"])
         if trainable:
             return facts, turns_of
         for conversation, conv_facts in zip(todo, facts):
