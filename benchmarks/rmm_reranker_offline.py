@@ -145,8 +145,7 @@ def build_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str
     with torch.no_grad():
         built = workflow.build_banks(engine, conversations, GenerationSettings(**generation).greedy(), False)
     cache = {
-        "model": args.model,
-        "max_sessions": args.max_sessions or None,
+        **bank_recipe(args, workflow),
         "build_s": time.perf_counter() - start,
         "banks": {c.id: bank.state_dict() for c, (bank, _) in zip(conversations, built)},
     }
@@ -155,13 +154,28 @@ def build_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str
     return cache
 
 
+def bank_recipe(args: argparse.Namespace, workflow: RMMWorkflow) -> dict[str, Any]:
+    """What a cached bank depends on: the model, the session cap and the reflection's options and prompts."""
+    reflection = ("turns_per_segment", "max_topics", "merge_top_k", "reflect_max_tokens", "merge_max_tokens")
+    return {
+        "model": args.model,
+        "max_sessions": args.max_sessions or None,
+        "reflection": {
+            **{name: getattr(workflow, name) for name in reflection},
+            "reflect_template": workflow.reflect_template,
+            "merge_template": workflow.merge_template,
+        },
+    }
+
+
 def load_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]]) -> dict[str, Any]:
-    """The cached banks when ``--banks`` holds every conversation under the same caps, else freshly built ones."""
+    """The cached banks when ``--banks`` holds every conversation built the same way, else freshly built ones."""
     if args.banks.exists():
         cache = json.loads(args.banks.read_text())
-        if set(args.conversations) <= set(cache["banks"]) and cache["max_sessions"] == (args.max_sessions or None):
+        recipe = bank_recipe(args, workflow)
+        if set(args.conversations) <= set(cache["banks"]) and all(cache.get(k) == v for k, v in recipe.items()):
             return cache
-        log.warning("%s lacks some conversation or has other session caps: rebuilding it", args.banks)
+        print(f"{args.banks} lacks a conversation or was built another way (model, sessions, prompts): rebuilding it")
     return build_banks(args, workflow, tasks)
 
 

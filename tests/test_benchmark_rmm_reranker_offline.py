@@ -29,14 +29,16 @@ def bench(monkeypatch, tmp_path):
     return module
 
 
-def _write_banks(path: Path) -> None:
+def _write_banks(bench, path: Path) -> None:
     banks = {}
     for conversation, name in (("conv-a", "Ana"), ("conv-b", "Eva")):
         bank = MemoryBank()
         for text, sources in FACTS:
             bank.add(text.replace("Ana", name), "session_1", "", sources)
         banks[conversation] = bank.state_dict()
-    path.write_text(json.dumps({"model": "by hand", "max_sessions": None, "build_s": 0.0, "banks": banks}))
+    args = bench._args(_argv(path.parent, "--top_m", "1"))  # the default --model, as the tests run
+    recipe = bench.bank_recipe(args, bench.workflow_of(args))
+    path.write_text(json.dumps({**recipe, "build_s": 0.0, "banks": banks}))
 
 
 def _argv(tmp_path: Path, *extra: str) -> list[str]:
@@ -48,7 +50,7 @@ def _argv(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_identity_recall_is_dense_retrieval_and_a_zero_learning_rate_gains_nothing(bench, tmp_path):
-    _write_banks(tmp_path / "banks.json")
+    _write_banks(bench, tmp_path / "banks.json")
     argv = _argv(tmp_path, "--top_m", "1", "--lrs", "0", "0.5", "--steps", "0", "3", "--seeds", "0", "1")
     result = bench.main(argv)
     assert result["questions"] == {"conv-a": 4, "conv-b": 4} and result["bank_sizes"] == {"conv-a": 4, "conv-b": 4}
@@ -80,18 +82,21 @@ def test_identity_recall_is_dense_retrieval_and_a_zero_learning_rate_gains_nothi
 
 
 def test_keeping_every_candidate_recalls_all_evidence(bench, tmp_path):
-    _write_banks(tmp_path / "banks.json")
+    _write_banks(bench, tmp_path / "banks.json")
     result = bench.main(_argv(tmp_path, "--top_m", "4", "--lrs", "0.5", "--steps", "2", "--seeds", "0"))
     assert result["identity_recall"] == {"conv-a": 1.0, "conv-b": 1.0}
     assert result["runs"][0]["gains"] == {"conv-a": [0.0], "conv-b": [0.0]}  # nothing left to reorder
 
 
-def test_banks_are_built_with_the_model_and_an_empty_bank_stops_with_a_message(bench, tmp_path):
+def test_banks_are_built_with_the_model_and_an_empty_bank_stops_with_a_message(bench, tmp_path, capsys):
+    _write_banks(bench, tmp_path / "banks.json")  # built for another model: not reused
     argv = _argv(tmp_path, "--model", "tiny", "--dtype", "float32", "--top_m", "2", "--lrs", "0.1", "--steps", "1")
     with pytest.raises(SystemExit, match=r"no question of \['conv-a', 'conv-b'\] has first-stage candidates"):
         bench.main(argv)  # the tiny model's reflection writes no memory
+    assert "was built another way (model, sessions, prompts): rebuilding it" in capsys.readouterr().out
     cache = json.loads((tmp_path / "banks.json").read_text())
     assert cache["model"] == "tiny" and set(cache["banks"]) == {"conv-a", "conv-b"} and cache["build_s"] > 0
+    assert cache["banks"]["conv-a"]["entries"] == [] and "{dialogue}" in cache["reflection"]["reflect_template"]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +113,7 @@ def test_bad_options_are_refused_naming_them(bench, tmp_path, capsys, options, m
 
 
 def test_supervised_objective_fits_its_training_questions(bench, tmp_path):
-    _write_banks(tmp_path / "banks.json")
+    _write_banks(bench, tmp_path / "banks.json")
     argv = _argv(tmp_path, "--top_m", "1", "--objective", "supervised", "--lrs", "0.05", "--steps", "40")
     result = bench.main([*argv, "--seeds", "0", "--questions_per_step", "3"])
     assert result["first_stage_recall"] == {"conv-a": 1.0, "conv-b": 1.0}  # top 4 of 4: every memory
