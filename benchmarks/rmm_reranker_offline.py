@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils as bu  # noqa: E402
+from rmm import CONFIG  # noqa: E402  (the RMM benchmark's config: the same workflow options)
 
 from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo  # noqa: E402
 from lightning_memrl.evaluation.metrics import evidence_recall  # noqa: E402
@@ -58,10 +58,6 @@ from lightning_memrl.workflows.rmm_reranker import (  # noqa: E402
     reinforce_loss,
     selection_log_probs,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "rmm" / "locomo.yaml"
-log = logging.getLogger("rmm_reranker_offline")
 
 
 class Question(NamedTuple):

@@ -120,6 +120,21 @@ def test_prospective_reflection_adds_and_merges(tasks, tiny_tokenizer):
     assert (workflow.counters["ADD"], workflow.counters["MERGE"], workflow.counters["invalid"]) == (3, 1, 1)
 
 
+def test_reflection_lines_that_copy_the_prompt_are_dropped_and_counted(tasks, tiny_tokenizer):
+    template = "Dialogue:\n{dialogue}\nList at most {max_topics} topics, e.g. [D1:3] Zoe visited her aunt in Porto."
+
+    def copying(prompt: str) -> str:
+        if "List at most" in prompt and "session_1 (" in prompt:
+            return "[D1:3] Zoe visited her aunt in Porto.\n[D1:1] Ana adopted a cat named Miso."
+        return "none" if "List at most" in prompt else '{"op": "ADD"}'
+
+    workflow = RMMWorkflow(reflect_template=template)
+    workflow.frozen_engine = engine = ScriptedEngine(tiny_tokenizer, copying)
+    ((bank, _),) = workflow.build_banks(engine, [tasks[0].meta["conversation"]], GREEDY, False)
+    assert [e.text for e in bank.entries] == ["Ana adopted a cat named Miso."]
+    assert workflow.counters["copied"] == 1
+
+
 def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, reply)
     workflow = RMMWorkflow(top_k=5, top_m=2)
