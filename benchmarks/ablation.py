@@ -14,7 +14,10 @@ Each finished run writes ``benchmarks/results/ablation/<arm>_seed<k>/``: ``resul
 match overall, by number of chunks, by the position of the chunk that held the answer, by hops; mean memory
 length; step time), ``eval_report.json``, ``predictions.jsonl`` (per task: the memory after every chunk,
 the answer, its score), ``metrics.csv`` and ``config.yaml``. A run whose ``result.json`` exists is skipped,
-so an interrupted ablation resumes where it stopped. Then ``summary.json``, ``ablation_em.png`` (held-out EM
+so an interrupted ablation resumes where it stopped. Then, over every finished run in the results folder
+(earlier invocations' too), ``summary.json`` (with each arm's ``paired``
+difference from ``base`` and ``grpo`` on the same seeds and tasks: mean, 95% task-bootstrap interval, wins,
+losses, sign-test p), ``ablation_em.png`` (held-out EM
 per arm with the seed spread) and ``retention.png`` (EM by answer position per arm). Options the script does
 not know (``--model.optimizer.lr=2e-4``) go to every run.
 """
@@ -38,6 +41,8 @@ from typing import Any
 import bench_utils as bu
 import yaml
 
+from lightning_memrl.evaluation.paired import paired_comparison
+
 ROOT = Path(__file__).resolve().parent.parent
 CREDIT = ROOT / "examples" / "credit"
 TINY = ROOT / "configs" / "memagent" / "tiny.yaml"
@@ -56,6 +61,7 @@ CREDIT_ARMS = [
 ARMS = ["base", "grpo", *CREDIT_ARMS]
 LISTS = (("trainer", "callbacks"), ("model", "init_args", "rewards"))  # the lists an overlay may set
 CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
+REFERENCES = ("base", "grpo")  # every other arm is compared task by task with these (paired)
 SECTIONS = ("by_num_chunks", "by_answer_position", "by_hops")  # the report's groupings a result keeps
 FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".parquet")
 
@@ -246,8 +252,33 @@ def _repo_relative_paths(tree: Any) -> Any:
     return tree
 
 
+def _task_scores(out: Path, arm: str, seeds: list[int]) -> dict[tuple[int, str], float]:
+    """Held-out exact match per (seed, task id) of an arm's runs, from their ``predictions.jsonl``."""
+    scores = {}
+    for seed in seeds:
+        for line in (out / f"{arm}_seed{seed}" / "predictions.jsonl").read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                scores[(seed, row["id"])] = float(row["exact_match"])
+    return scores
+
+
+def _paired(arms: dict[str, Any], out: Path) -> dict[str, dict[str, dict]]:
+    """Each arm against the reference arms on the (seed, task) pairs both ran: mean EM difference, a
+    bootstrap interval over tasks and the sign test (``lightning_memrl.evaluation.paired``)."""
+    scores = {arm: _task_scores(out, arm, entry["seeds"]) for arm, entry in arms.items()}
+    paired: dict[str, dict[str, dict]] = {}
+    for arm in arms:
+        refs = REFERENCES[: REFERENCES.index(arm)] if arm in REFERENCES else REFERENCES  # base vs grpo once
+        for ref in (r for r in refs if r in arms and scores[r].keys() & scores[arm].keys()):
+            result = paired_comparison(scores[ref], scores[arm], cluster_of={k: k[1] for k in scores[arm]})
+            paired.setdefault(arm, {})[f"vs_{ref}"] = result.to_dict()
+    return paired
+
+
 def summarise(results: list[dict], out: Path) -> dict:
-    """Per arm: held-out EM mean and seed spread, EM by answer position; the two plots."""
+    """Per arm: held-out EM mean and seed spread, EM by answer position, paired differences with the
+    reference arms; the two plots."""
     arms: dict[str, Any] = {}
     for arm in dict.fromkeys(r["arm"] for r in results):
         runs = [r for r in results if r["arm"] == arm]
@@ -262,6 +293,8 @@ def summarise(results: list[dict], out: Path) -> dict:
             "eval_memory_words": statistics.fmean(r["eval_memory_words"] for r in runs),
             "step_time_s": statistics.fmean(times) if times else None,
         }
+    for arm, comparisons in _paired(arms, out).items():
+        arms[arm]["paired"] = comparisons
     summary = {"arms": arms, "runs": len(results)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(arms, out)
@@ -300,6 +333,12 @@ def plot(arms: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def finished_runs(out: Path) -> list[dict]:
+    """Every finished run under ``out`` (this invocation's and earlier ones'), in ``ARMS`` order, then by seed."""
+    results = [json.loads(p.read_text()) for p in out.glob("*_seed*/result.json")]
+    return sorted(results, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else len(ARMS), r["arm"], r["seed"]))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/memagent/multichunk.yaml", help="the base config of every arm")
@@ -320,7 +359,6 @@ def main(argv: list[str] | None = None) -> dict:
         configs[arm], notes = compose_arm(base, overlay, tiny, f"examples/credit/{arm}.yaml")
         for note in notes:
             print(note)
-    results = []
     for arm in args.arms:
         for seed in args.seeds:
             out = args.out / f"{arm}_seed{seed}"
@@ -328,8 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{arm} seed {seed}: done before, skipped ({out / 'result.json'})")
             else:
                 run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process)
-            results.append(json.loads((out / "result.json").read_text()))
-    summary = summarise(results, args.out)
+    summary = summarise(finished_runs(args.out), args.out)
     print(json.dumps({a: round(100 * s["exact_match"], 1) for a, s in summary["arms"].items()}, indent=2))
     return summary
 

@@ -148,6 +148,10 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     saved = json.loads((tmp_path / "summary.json").read_text())["arms"]["grpo"]
     assert saved["exact_match_min"] <= saved["exact_match"] <= saved["exact_match_max"] and saved["seeds"] == [0]
     assert saved["by_answer_position"] and saved["by_num_chunks"] and saved["step_time_s"] > 0
+    paired, base_em = saved["paired"]["vs_base"], summary["arms"]["base"]["exact_match"]
+    assert paired["pairs"] == 4 and "paired" not in summary["arms"]["base"]  # base is only a reference
+    assert paired["mean_difference"] == pytest.approx(saved["exact_match"] - base_em)  # same 4 tasks, 1 seed
+    assert paired["ci_low"] <= paired["mean_difference"] <= paired["ci_high"] and 0 < paired["sign_test_p"] <= 1
     for arm in ("base", "grpo"):
         result = json.loads((tmp_path / f"{arm}_seed0" / "result.json").read_text())
         assert result["overall"]["tasks"] == 4 and "by_answer_position" in result and "by_num_chunks" in result
@@ -160,6 +164,8 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     monkeypatch.setattr(ablation, "run_cli", lambda *a: calls.append(a))
     again = ablation.main(argv)
     assert calls == [] and again["arms"] == summary["arms"]  # finished arms are skipped, not rerun
+    base_only = ablation.main([a for a in argv if a != "grpo"])
+    assert calls == [] and base_only["arms"] == summary["arms"]  # the summary keeps earlier invocations' runs
 
 
 def test_credit_cost_composes_an_overlay_into_the_base_config_keeping_its_rewards(bench):
