@@ -1,6 +1,6 @@
 """Ablation: the base model, plain GRPO and each credit method of ``examples/credit/``, side by side.
 
-    python benchmarks/ablation.py --config configs/memagent/multichunk.yaml --seeds 0 1
+    python benchmarks/ablation.py --config configs/memagent/multichunk.yaml --seeds 0 1 --threads 2
 
 Every arm trains with the same config, steps, tasks, learning rate and seed (``--seeds``: one run per
 seed); ``base`` only validates the untrained model. An arm's config is the base config with the credit
@@ -347,8 +347,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_steps", type=int, default=None, help="training steps of every arm (default: config's)")
     parser.add_argument("--val_tasks", type=int, default=None, help="override the number of held-out tasks")
     parser.add_argument("--out", type=Path, default=OUT, help="results folder")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads of each run (OMP_NUM_THREADS; default: the CLI picks)"
+    )
     parser.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
     args, extra = parser.parse_known_args(argv)  # the rest (e.g. --model.optimizer.lr=2e-4) goes to every run
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by each run's torch at start; recorded in result.json
     base = _absolute_paths(yaml.safe_load(Path(args.config).read_text()), Path(args.config).resolve().parent)
     tiny = yaml.safe_load(TINY.read_text())
     if args.val_tasks:

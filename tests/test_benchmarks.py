@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,12 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     assert calls == [] and again["arms"] == summary["arms"]  # finished arms are skipped, not rerun
     base_only = ablation.main([a for a in argv if a != "grpo"])
     assert calls == [] and base_only["arms"] == summary["arms"]  # the summary keeps earlier invocations' runs
+    (tmp_path / "base_seed0" / "result.json").unlink()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(ablation, "summarise", lambda *a: {"arms": {}})
+    monkeypatch.setattr(ablation, "run_arm", lambda arm, *a: calls.append((arm, os.environ.get("OMP_NUM_THREADS"))))
+    ablation.main([*argv, "--threads", "3"])
+    assert calls == [("base", "3")]  # only the unfinished run, with the threads asked for
 
 
 def test_credit_cost_composes_an_overlay_into_the_base_config_keeping_its_rewards(bench):
