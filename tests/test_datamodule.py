@@ -2,43 +2,15 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from task_files import isolated_hf_cache, row, write_json, write_jsonl  # noqa: F401 (autouse fixture)
 
 from lightning_memrl.data.datamodule import MemRLDataModule
 from lightning_memrl.data.synthetic import SyntheticTaskSettings, generate_synthetic_tasks
 from lightning_memrl.errors import DataError
 from lightning_memrl.types import Task
-
-
-@pytest.fixture(autouse=True)
-def _isolated_hf_cache(tmp_path_factory, monkeypatch):
-    """Keep the ``datasets`` cache of the files read here out of ~/.cache."""
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf_datasets_cache")
-
-
-def write_json(path: Path, rows) -> Path:
-    path.write_text(json.dumps(rows))
-    return path
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def row(**overrides):
-    return {
-        "question": "Where is the key?",
-        "context": ["It is in the drawer.", "The drawer is blue."],
-        "answers": ["drawer"],
-        **overrides,
-    }
 
 
 def test_datamodule_synthetic_defaults():
