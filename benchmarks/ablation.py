@@ -18,7 +18,8 @@ so an interrupted ablation resumes where it stopped. Then, over every finished r
 (earlier invocations' too), ``summary.json`` (with each arm's ``paired``
 difference from ``base`` and ``grpo`` on the same seeds and tasks: mean, 95% task-bootstrap interval, wins,
 losses, sign-test p), ``ablation_em.png`` (held-out EM
-per arm with the seed spread) and ``retention.png`` (EM by answer position per arm). Options the script does
+per arm with the seed spread), ``retention.png`` (EM by answer position per arm) and ``paired.png`` (each
+arm's paired difference from plain GRPO with its interval). Options the script does
 not know (``--model.optimizer.lr=2e-4``) go to every run.
 """
 
@@ -330,6 +331,27 @@ def plot(arms: dict[str, Any], out: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "retention.png", dpi=110)
+    plt.close(fig)
+    plot_paired(arms, out, plt)
+
+
+def plot_paired(arms: dict[str, Any], out: Path, plt: Any) -> None:
+    """``paired.png``: each arm's EM difference from plain GRPO on the same (seed, task) pairs, 95% interval."""
+    rows = [(arm, entry["paired"]["vs_grpo"]) for arm, entry in arms.items() if "vs_grpo" in entry.get("paired", {})]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 1.6 + 0.5 * len(rows)))
+    for y, (_, d) in enumerate(rows):
+        mean, low, high = (100 * d[k] for k in ("mean_difference", "ci_low", "ci_high"))
+        ax.errorbar(mean, y, xerr=[[mean - low], [high - mean]], fmt="o", capsize=4, color="tab:blue")
+        ax.annotate(f"p={d['sign_test_p']:.2g}", (high, y), xytext=(4, 0), textcoords="offset points", va="center")
+    ax.axvline(0, color="grey", lw=1)
+    ax.set_yticks(range(len(rows)), [arm for arm, _ in rows])
+    ax.margins(x=0.25, y=0.3)
+    ax.set_xlabel("held-out EM minus plain GRPO's (points)")
+    ax.set_title("Paired difference on the same seeds and tasks (95% task bootstrap)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "paired.png", dpi=110)
     plt.close(fig)
 
 

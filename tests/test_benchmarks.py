@@ -213,3 +213,17 @@ def test_grpo_step_ours_generates_exactly_new_tokens_as_trl(bench, tmp_path):
         [[5, 6, 7, 8]] * 4, dataclasses.replace(module.generation, generation_kwargs=None)
     )
     assert [len(g.token_ids) for g in unforced] == [1] * 4  # without it, EOS ends every row at once
+
+
+def test_ablation_plots_paired_differences_only_for_arms_compared_with_grpo(bench, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ablation = importlib.import_module("ablation")
+    ablation.plot_paired({"base": {}, "grpo": {"paired": {"vs_base": {}}}}, tmp_path, plt)
+    assert not (tmp_path / "paired.png").exists()  # nothing was compared with plain GRPO
+    diff = {"mean_difference": 0.1, "ci_low": 0.02, "ci_high": 0.18, "sign_test_p": 0.02}
+    ablation.plot_paired({"grpo": {}, "fine_mem": {"paired": {"vs_grpo": diff}}}, tmp_path, plt)
+    assert (tmp_path / "paired.png").stat().st_size > 0
