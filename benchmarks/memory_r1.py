@@ -287,7 +287,13 @@ def run_machine() -> dict[str, Any]:
 
 
 def write_summary(out: Path, results: dict[str, dict], metrics: tuple[str, ...], caps: dict[str, Any]) -> None:
-    """``<out>/summary.json``: each arm's overall ``metrics`` and the caps; the table is printed too."""
+    """``<out>/summary.json``: each arm's overall ``metrics`` and the caps; the table is printed too.
+
+    Arms finished in ``out`` by earlier invocations are kept (after this invocation's); each arm's own
+    ``result.json`` holds the caps it ran with.
+    """
+    earlier = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/result.json"))}
+    results = {**results, **{arm: r for arm, r in earlier.items() if arm not in results}}
     table = {arm: {k: r["overall"][k] for k in metrics} for arm, r in results.items()}
     (out / "summary.json").write_text(json.dumps({"arms": table, "caps": caps}, indent=2) + "\n")
     print(json.dumps(table, indent=2))

@@ -61,3 +61,5 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
     assert calls == [] and again == results  # finished stages and arms are skipped, not rerun
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == set(results) and summary["caps"]["sft_steps"] == 1
+    bench.main([*argv, "--arms", "base"])  # one arm asked for: the summary keeps the others
+    assert calls == [] and set(json.loads((out / "summary.json").read_text())["arms"]) == set(results)
