@@ -41,8 +41,7 @@ from typing import Any
 
 import bench_utils as bu
 import yaml
-
-from lightning_memrl.evaluation.paired import paired_comparison
+from ablation_report import SECTIONS, finished_runs, summarise
 
 ROOT = Path(__file__).resolve().parent.parent
 CREDIT = ROOT / "examples" / "credit"
@@ -62,8 +61,6 @@ CREDIT_ARMS = [
 ARMS = ["base", "grpo", *CREDIT_ARMS]
 LISTS = (("trainer", "callbacks"), ("model", "init_args", "rewards"))  # the lists an overlay may set
 CHECKPOINT = "lightning.pytorch.callbacks.ModelCheckpoint"
-REFERENCES = ("base", "grpo")  # every other arm is compared task by task with these (paired)
-SECTIONS = ("by_num_chunks", "by_answer_position", "by_hops")  # the report's groupings a result keeps
 FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".parquet")
 
 
@@ -223,12 +220,6 @@ def run_arm(
     return result
 
 
-def _seed_means(runs: list[dict], section: str) -> dict[str, float]:
-    """Exact match of each group of ``section`` (e.g. each answer position), averaged over the seeds."""
-    keys = sorted({k for r in runs for k in r.get(section, {})}, key=lambda k: (len(k), k))  # "2" before "10"
-    return {k: statistics.fmean(r[section][k]["exact_match"] for r in runs if k in r.get(section, {})) for k in keys}
-
-
 def _absolute_paths(tree: Any, folder: Path) -> Any:
     """File options (``lora: ../shared/x.yaml``) made absolute: the composed config is saved elsewhere."""
     if isinstance(tree, dict):
@@ -251,114 +242,6 @@ def _repo_relative_paths(tree: Any) -> Any:
     if isinstance(tree, str) and Path(tree).is_absolute() and Path(tree).is_relative_to(ROOT):
         return str(Path(tree).relative_to(ROOT))
     return tree
-
-
-def _task_scores(out: Path, arm: str, seeds: list[int]) -> dict[tuple[int, str], float]:
-    """Held-out exact match per (seed, task id) of an arm's runs, from their ``predictions.jsonl``."""
-    scores = {}
-    for seed in seeds:
-        for line in (out / f"{arm}_seed{seed}" / "predictions.jsonl").read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                scores[(seed, row["id"])] = float(row["exact_match"])
-    return scores
-
-
-def _paired(arms: dict[str, Any], out: Path) -> dict[str, dict[str, dict]]:
-    """Each arm against the reference arms on the (seed, task) pairs both ran: mean EM difference, a
-    bootstrap interval over tasks and the sign test (``lightning_memrl.evaluation.paired``)."""
-    scores = {arm: _task_scores(out, arm, entry["seeds"]) for arm, entry in arms.items()}
-    paired: dict[str, dict[str, dict]] = {}
-    for arm in arms:
-        refs = REFERENCES[: REFERENCES.index(arm)] if arm in REFERENCES else REFERENCES  # base vs grpo once
-        for ref in (r for r in refs if r in arms and scores[r].keys() & scores[arm].keys()):
-            result = paired_comparison(scores[ref], scores[arm], cluster_of={k: k[1] for k in scores[arm]})
-            paired.setdefault(arm, {})[f"vs_{ref}"] = result.to_dict()
-    return paired
-
-
-def summarise(results: list[dict], out: Path) -> dict:
-    """Per arm: held-out EM mean and seed spread, EM by answer position, paired differences with the
-    reference arms; the two plots."""
-    arms: dict[str, Any] = {}
-    for arm in dict.fromkeys(r["arm"] for r in results):
-        runs = [r for r in results if r["arm"] == arm]
-        ems = [r["overall"]["exact_match"] for r in runs]
-        times = [r["step_time_s"] for r in runs if r["step_time_s"]]
-        arms[arm] = {
-            "seeds": [r["seed"] for r in runs],
-            "exact_match": statistics.fmean(ems),
-            "exact_match_min": min(ems),
-            "exact_match_max": max(ems),
-            **{section: _seed_means(runs, section) for section in SECTIONS},
-            "eval_memory_words": statistics.fmean(r["eval_memory_words"] for r in runs),
-            "step_time_s": statistics.fmean(times) if times else None,
-        }
-    for arm, comparisons in _paired(arms, out).items():
-        arms[arm]["paired"] = comparisons
-    summary = {"arms": arms, "runs": len(results)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(arms, out)
-    return summary
-
-
-def plot(arms: dict[str, Any], out: Path) -> None:
-    """``ablation_em.png`` (mean held-out EM per arm, bars from the worst to the best seed) and ``retention.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(arms)
-    mean = [100 * arms[a]["exact_match"] for a in names]
-    low = [m - 100 * arms[a]["exact_match_min"] for m, a in zip(mean, names)]
-    high = [100 * arms[a]["exact_match_max"] - m for m, a in zip(mean, names)]
-    fig, ax = plt.subplots(figsize=(max(5, len(names) * 0.8), 4))
-    ax.bar(names, mean, yerr=[low, high], capsize=4, color="tab:blue")
-    ax.set_ylabel("held-out exact match (%)")
-    ax.set_title("Held-out EM per arm (bars: seed min-max)")
-    ax.tick_params(axis="x", rotation=45)
-    fig.tight_layout()
-    fig.savefig(out / "ablation_em.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in names:
-        curve = arms[arm]["by_answer_position"]
-        ax.plot([int(p) for p in curve], [100 * v for v in curve.values()], marker="o", label=arm)
-    ax.set_xlabel("position of the chunk that held the answer (1 = first)")
-    ax.set_ylabel("held-out exact match (%)")
-    ax.set_title("Retention curve")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "retention.png", dpi=110)
-    plt.close(fig)
-    plot_paired(arms, out, plt)
-
-
-def plot_paired(arms: dict[str, Any], out: Path, plt: Any) -> None:
-    """``paired.png``: each arm's EM difference from plain GRPO on the same (seed, task) pairs, 95% interval."""
-    rows = [(arm, entry["paired"]["vs_grpo"]) for arm, entry in arms.items() if "vs_grpo" in entry.get("paired", {})]
-    if not rows:
-        return
-    fig, ax = plt.subplots(figsize=(7, 1.6 + 0.5 * len(rows)))
-    for y, (_, d) in enumerate(rows):
-        mean, low, high = (100 * d[k] for k in ("mean_difference", "ci_low", "ci_high"))
-        ax.errorbar(mean, y, xerr=[[mean - low], [high - mean]], fmt="o", capsize=4, color="tab:blue")
-        ax.annotate(f"p={d['sign_test_p']:.2g}", (high, y), xytext=(4, 0), textcoords="offset points", va="center")
-    ax.axvline(0, color="grey", lw=1)
-    ax.set_yticks(range(len(rows)), [arm for arm, _ in rows])
-    ax.margins(x=0.25, y=0.3)
-    ax.set_xlabel("held-out EM minus plain GRPO's (points)")
-    ax.set_title("Paired difference on the same seeds and tasks (95% task bootstrap)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "paired.png", dpi=110)
-    plt.close(fig)
-
-
-def finished_runs(out: Path) -> list[dict]:
-    """Every finished run under ``out`` (this invocation's and earlier ones'), in ``ARMS`` order, then by seed."""
-    results = [json.loads(p.read_text()) for p in out.glob("*_seed*/result.json")]
-    return sorted(results, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else len(ARMS), r["arm"], r["seed"]))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -393,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{arm} seed {seed}: done before, skipped ({out / 'result.json'})")
             else:
                 run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process)
-    summary = summarise(finished_runs(args.out), args.out)
+    summary = summarise(finished_runs(args.out, ARMS), args.out)
     print(json.dumps({a: round(100 * s["exact_match"], 1) for a, s in summary["arms"].items()}, indent=2))
     return summary
 

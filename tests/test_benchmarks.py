@@ -161,6 +161,8 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     assert result["steps"] == 1 and result["step_time_s"] > 0  # the grpo arm trained one step
     assert (tmp_path / "grpo_seed0" / "metrics.csv").is_file()
     assert (tmp_path / "ablation_em.png").stat().st_size > 0 and (tmp_path / "retention.png").stat().st_size > 0
+    table = (tmp_path / "summary.md").read_text().splitlines()
+    assert len(table) == 4 and table[2].startswith("| base | 0 | ") and table[3].startswith("| grpo | 0 | ")
     calls = []
     monkeypatch.setattr(ablation, "run_cli", lambda *a: calls.append(a))
     again = ablation.main(argv)
@@ -221,9 +223,38 @@ def test_ablation_plots_paired_differences_only_for_arms_compared_with_grpo(benc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ablation = importlib.import_module("ablation")
-    ablation.plot_paired({"base": {}, "grpo": {"paired": {"vs_base": {}}}}, tmp_path, plt)
+    report = importlib.import_module("ablation_report")
+    report.plot_paired({"base": {}, "grpo": {"paired": {"vs_base": {}}}}, tmp_path, plt)
     assert not (tmp_path / "paired.png").exists()  # nothing was compared with plain GRPO
     diff = {"mean_difference": 0.1, "ci_low": 0.02, "ci_high": 0.18, "sign_test_p": 0.02}
-    ablation.plot_paired({"grpo": {}, "fine_mem": {"paired": {"vs_grpo": diff}}}, tmp_path, plt)
+    report.plot_paired({"grpo": {}, "fine_mem": {"paired": {"vs_grpo": diff}}}, tmp_path, plt)
     assert (tmp_path / "paired.png").stat().st_size > 0
+
+
+def test_ablation_summary_table_rows_in_percent(bench):
+    report = importlib.import_module("ablation_report")
+    entry = {
+        "seeds": [0, 1],
+        "exact_match": 0.5,
+        "exact_match_min": 0.4,
+        "exact_match_max": 0.6,
+        "by_num_chunks": {"4": 0.25, "5": 0.75},
+        "by_answer_position": {"1": 1.0, "2": 0.0},
+        "by_hops": {"1": 0.5},
+        "eval_memory_words": 20.04,
+        "step_time_s": 61.25,
+        "paired": {
+            "vs_grpo": {
+                "mean_difference": 0.1,
+                "ci_low": -0.02,
+                "ci_high": 0.2,
+                "wins": 5,
+                "losses": 2,
+                "sign_test_p": 0.453,
+                "pairs": 192,
+            }
+        },
+    }
+    row = report.summary_table({"x": entry}).splitlines()[2]
+    paired = "+10.0 [-2.0, +20.0], 5/2, p=0.45 (192 pairs)"
+    assert row == f"| x | 0, 1 | 50.0 (40.0–60.0) | {paired} | 25.0 / 75.0 | 100.0 / 0.0 | 50.0 | 20.0 | 61.2 |"
