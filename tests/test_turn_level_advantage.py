@@ -58,7 +58,24 @@ def test_groups_are_separate_and_nan_or_alone_gets_zero() -> None:
         "turn_level/turn_indices": 2.0,
         "turn_level/frac_unpaired": 0.6,
         "turn_level/turn_reward": 2.0,
+        "turn_level/frac_earlier_turns_rewarded": 0.0,  # trajectory 0's first turn, no turn reward
     }
+
+
+def test_warns_once_when_no_earlier_turn_has_a_reward(caplog) -> None:
+    estimator = TurnLevelAdvantage("none")
+    unrewarded = turn_batch([2.0, 1.0], 2, turns=[0, 0, 0, 1], turn_rewards=[0.0, 0.0, 0.0, 0.0])
+    with caplog.at_level("WARNING", logger="lightning_memrl.credit.turn_level"):
+        estimator(unrewarded)
+        estimator(unrewarded)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "(2 such turns in this batch)" in warnings[0] and "GroupRelative" in warnings[0]
+    # three_members: the earlier turns t0k0 (0.1) and t1k0 (-0.1) both carry turn rewards: no warning
+    caplog.clear()
+    fresh = TurnLevelAdvantage("none")
+    with caplog.at_level("WARNING", logger="lightning_memrl.credit.turn_level"):
+        fresh(three_members())
+    assert caplog.records == [] and fresh.metrics()["turn_level/frac_earlier_turns_rewarded"] == 1.0
 
 
 def test_assign_advantages_gives_each_turn_its_own_advantage() -> None:

@@ -10,6 +10,7 @@ shaping callbacks) with the trajectory's outcome added on its last turn.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
@@ -18,6 +19,8 @@ from torch import Tensor
 from lightning_memrl.advantages import AdvantageEstimator
 from lightning_memrl.errors import ConfigError, check_option
 from lightning_memrl.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def turn_positions(turn_to_trajectory: Tensor) -> Tensor:  # [M] long
@@ -67,8 +70,11 @@ class TurnLevelAdvantage(AdvantageEstimator):
     ``OverlongPenalty`` with ``turns: memory``) or use the trajectory-level ``GroupRelative``.
 
     Logs ``train/turn_level/turn_indices`` (distinct turn indices of the step),
-    ``train/turn_level/frac_unpaired`` (turns alone in their cell: advantage 0) and
-    ``train/turn_level/turn_reward`` (mean of the valid ``r_{i,k}``).
+    ``train/turn_level/frac_unpaired`` (turns alone in their cell: advantage 0),
+    ``train/turn_level/turn_reward`` (mean of the valid ``r_{i,k}``) and
+    ``train/turn_level/frac_earlier_turns_rewarded`` (turns before a trajectory's last that carry a turn
+    reward of their own). When none does, a warning says once that those turns (a MemAgent's memory
+    writes) get no advantage: on the multi-chunk ablation this arm then trained only the answer turn.
 
     Args:
         scale_rewards: ``group`` (divide by the cell's std) or ``none``.
@@ -84,6 +90,7 @@ class TurnLevelAdvantage(AdvantageEstimator):
         check_option(p + "eps", eps, 0.0)
         self.scale_rewards, self.eps = scale_rewards, eps
         self._metrics: dict[str, float] = {}
+        self._warned = False
 
     def __call__(self, rollouts: RolloutBatch) -> Tensor:  # [M] float32
         rewards = turn_level_rewards(rollouts)  # [M]
@@ -100,7 +107,9 @@ class TurnLevelAdvantage(AdvantageEstimator):
             sq = torch.zeros(cells, dtype=torch.float64).index_add_(0, cell, centered**2)[cell]
             centered = centered / ((sq / (count - 1).clamp(min=1)).sqrt() + self.eps)
         paired = valid & (count > 1)
+        rewarded = self._earlier_turns_rewarded(rollouts, positions)
         self._metrics = {
+            "turn_level/frac_earlier_turns_rewarded": rewarded,
             "turn_level/turn_indices": float(width if positions.numel() else 0),
             "turn_level/frac_unpaired": float((~paired).double().mean()) if paired.numel() else 0.0,
             "turn_level/turn_reward": float(filled[valid].mean()) if valid.any() else 0.0,
@@ -109,3 +118,19 @@ class TurnLevelAdvantage(AdvantageEstimator):
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def _earlier_turns_rewarded(self, rollouts: RolloutBatch, positions: Tensor) -> float:
+        """The share of non-last turns with a turn reward; warns once when a batch has such turns and none is."""
+        owner = rollouts.turn_to_trajectory
+        turns = torch.zeros(rollouts.num_trajectories, dtype=torch.long).index_add_(0, owner, torch.ones_like(owner))
+        earlier = positions < turns[owner] - 1  # [M] every turn but its trajectory's last
+        rewarded = earlier & (rollouts.turn_rewards != 0)
+        if earlier.any() and not rewarded.any() and not self._warned:
+            self._warned = True
+            log.warning(
+                "TurnLevelAdvantage: no turn before a trajectory's last carries a turn reward (%d such turns in "
+                "this batch), so they get no advantage and only last turns train. Add a turn-reward callback "
+                "(e.g. lightning_memrl.credit.fine_mem.FineMemCredit) or use GroupRelative.",
+                int(earlier.sum()),
+            )
+        return float(rewarded.sum()) / max(1, int(earlier.sum()))
