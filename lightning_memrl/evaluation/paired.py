@@ -91,4 +91,5 @@ def paired_comparison(
     high = means[min(len(means) - 1, int((1 - tail) * len(means)))]
     wins = sum(d > 0 for d in diff.values())
     losses = sum(d < 0 for d in diff.values())
-    return PairedComparison(len(keys), sum(diff.values()) / len(keys), low, high, wins, losses, sign_test_p(wins, losses))
+    mean = sum(diff.values()) / len(keys)
+    return PairedComparison(len(keys), mean, low, high, wins, losses, sign_test_p(wins, losses))
