@@ -14,12 +14,10 @@ Each finished run writes ``benchmarks/results/ablation/<arm>_seed<k>/``: ``resul
 match overall, by number of chunks, by the position of the chunk that held the answer, by hops; mean memory
 length; step time), ``eval_report.json``, ``predictions.jsonl`` (per task: the memory after every chunk,
 the answer, its score), ``metrics.csv`` and ``config.yaml``. A run whose ``result.json`` exists is skipped,
-so an interrupted ablation resumes where it stopped. Then, over every finished run in the results folder
-(earlier invocations' too), ``summary.json`` (with each arm's ``paired``
-difference from ``base`` and ``grpo`` on the same seeds and tasks: mean, 95% task-bootstrap interval, wins,
-losses, sign-test p), ``ablation_em.png`` (held-out EM
-per arm with the seed spread), ``retention.png`` (EM by answer position per arm) and ``paired.png`` (each
-arm's paired difference from plain GRPO with its interval). Options the script does
+so an interrupted ablation resumes where it stopped. Then ``ablation_report`` summarises every finished run
+in the results folder (earlier invocations' too): ``summary.json`` (with each arm's ``paired`` difference
+from ``base`` and ``grpo`` on the same seeds and tasks), ``summary.md``, ``ablation_em.png``,
+``retention.png`` and ``paired.png``. Options the script does
 not know (``--model.optimizer.lr=2e-4``) go to every run.
 """
 
