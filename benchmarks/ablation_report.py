@@ -16,6 +16,11 @@ from lightning_memrl.evaluation.paired import paired_comparison
 
 REFERENCES = ("base", "grpo")  # every other arm is compared task by task with these (paired)
 SECTIONS = ("by_num_chunks", "by_answer_position", "by_hops")  # the report's groupings a result keeps
+GRPO_4_CHUNK_GAIN = 0.15  # target: plain GRPO's EM gain over the base on 4-chunk tasks ...
+GRPO_MINUTES = 60.0  # ... within this many minutes of training
+BEST_OVER_GRPO = 0.05  # target: the best credit arm's mean EM over plain GRPO's, seed ranges apart
+RETENTION_SPREAD = 0.10  # target: EM by answer position within this range (max - min)
+MIN_POSITION_TASKS = 5  # answer positions with fewer held-out tasks are left out of the retention spread
 
 
 def _seed_means(runs: list[dict], section: str) -> dict[str, float]:
@@ -67,11 +72,74 @@ def summarise(results: list[dict], out: Path) -> dict:
         }
     for arm, comparisons in _paired(arms, out).items():
         arms[arm]["paired"] = comparisons
-    summary = {"arms": arms, "runs": len(results)}
+    summary = {"arms": arms, "runs": len(results), "targets": target_readings(results, arms)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_table(arms))
+    (out / "summary.md").write_text(summary_table(arms) + "\n" + targets_text(summary["targets"]))
     plot(arms, out)
     return summary
+
+
+def _train_minutes(run: dict) -> float | None:
+    return run["step_time_s"] * run["steps"] / 60 if run.get("step_time_s") else None
+
+
+def _grpo_4_chunk_gain(results: list[dict]) -> dict[str, Any] | None:
+    """Plain GRPO's 4-chunk EM minus the base's, per seed both ran, with GRPO's training minutes."""
+    base = {r["seed"]: r for r in results if r["arm"] == "base"}
+    pairs = [(r, base[r["seed"]]) for r in results if r["arm"] == "grpo" and r["seed"] in base]
+    pairs = [(g, b) for g, b in pairs if "4" in g.get("by_num_chunks", {}) and "4" in b.get("by_num_chunks", {})]
+    if not pairs:
+        return None
+    gains = [g["by_num_chunks"]["4"]["exact_match"] - b["by_num_chunks"]["4"]["exact_match"] for g, b in pairs]
+    minutes = [m for g, _ in pairs if (m := _train_minutes(g)) is not None]
+    mean_minutes = statistics.fmean(minutes) if minutes else None
+    in_time = mean_minutes is not None and mean_minutes <= GRPO_MINUTES
+    gain = statistics.fmean(gains)
+    return {
+        "seeds": [g["seed"] for g, _ in pairs],
+        "gain": gain,
+        "gain_per_seed": gains,
+        "train_minutes": mean_minutes,
+        "met": gain >= GRPO_4_CHUNK_GAIN and in_time,
+    }
+
+
+def _best_over_grpo(arms: dict[str, Any]) -> dict[str, Any] | None:
+    """The credit arm of highest mean EM among those with two or more seeds, against plain GRPO's seeds."""
+    candidates = [a for a, e in arms.items() if a not in REFERENCES and len(e["seeds"]) >= 2]
+    if "grpo" not in arms or not candidates:
+        return None
+    best = max(candidates, key=lambda a: arms[a]["exact_match"])
+    arm, grpo = arms[best], arms["grpo"]
+    gain, apart = arm["exact_match"] - grpo["exact_match"], arm["exact_match_min"] > grpo["exact_match_max"]
+    met = gain >= BEST_OVER_GRPO and apart
+    return {"arm": best, "seeds": arm["seeds"], "gain": gain, "outside_seed_spread": apart, "met": met}
+
+
+def _retention(results: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per trained arm: the range (max - min) of its seed-mean EM over the answer positions that held at
+    least ``MIN_POSITION_TASKS`` held-out tasks, and first minus last of those positions."""
+    readings = {}
+    for arm in dict.fromkeys(r["arm"] for r in results if r["arm"] != "base"):
+        runs = [r for r in results if r["arm"] == arm]
+        tasks = {k: v["tasks"] for k, v in runs[0].get("by_answer_position", {}).items()}
+        means = _seed_means(runs, "by_answer_position")
+        kept = [k for k in means if tasks.get(k, 0) >= MIN_POSITION_TASKS]
+        if len(kept) >= 2:
+            curve = [means[k] for k in kept]
+            spread = max(curve) - min(curve)
+            met = spread <= RETENTION_SPREAD
+            readings[arm] = {"positions": kept, "spread": spread, "first_minus_last": curve[0] - curve[-1], "met": met}
+    return readings
+
+
+def target_readings(results: list[dict], arms: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's three targets read from the finished runs (None: not measurable yet)."""
+    return {
+        "grpo_4_chunk_gain": _grpo_4_chunk_gain(results),
+        "best_over_grpo": _best_over_grpo(arms),
+        "retention": _retention(results),
+    }
 
 
 def plot(arms: dict[str, Any], out: Path) -> None:
@@ -147,6 +215,42 @@ def _paired_cell(entry: dict[str, Any]) -> str:
         f"{100 * d['mean_difference']:+.1f} [{low:+.1f}, {high:+.1f}], "
         f"{d['wins']}/{d['losses']}, p={d['sign_test_p']:.2g} ({d['pairs']} pairs)"
     )
+
+
+def _met(reading: dict[str, Any]) -> str:
+    return "met" if reading["met"] else "not met"
+
+
+def targets_text(targets: dict[str, Any]) -> str:
+    """The targets' readings as markdown lines (numbers in EM points)."""
+    lines = ["Targets, read from the runs above:", ""]
+    g = targets["grpo_4_chunk_gain"]
+    if g is None:
+        lines.append("- plain GRPO +15 on 4-chunk tasks within 60 min: not measurable (needs base and grpo of a seed)")
+    else:
+        seeds = " / ".join(f"{100 * v:+.1f}" for v in g["gain_per_seed"])
+        minutes = "—" if g["train_minutes"] is None else f"{g['train_minutes']:.0f}"
+        lines.append(
+            f"- plain GRPO +15 on 4-chunk tasks within 60 min: {100 * g['gain']:+.1f} (seeds {seeds}), "
+            f"{minutes} min of training: {_met(g)}"
+        )
+    b = targets["best_over_grpo"]
+    if b is None:
+        lines.append(
+            "- best credit arm +5 over plain GRPO, outside the seed spread: not measurable (no credit arm has 2 seeds)"
+        )
+    else:
+        apart = "apart" if b["outside_seed_spread"] else "overlap or touch"
+        lines.append(
+            f"- best credit arm +5 over plain GRPO, outside the seed spread: {b['arm']} ({len(b['seeds'])} seeds) "
+            f"{100 * b['gain']:+.1f}, seed ranges {apart}: {_met(b)}"
+        )
+    for arm, r in targets["retention"].items():
+        lines.append(
+            f"- retention flat within 10 ({arm}): range {100 * r['spread']:.1f} over answer positions "
+            f"{', '.join(r['positions'])} (first − last {100 * r['first_minus_last']:+.1f}): {_met(r)}"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def summary_table(arms: dict[str, Any]) -> str:

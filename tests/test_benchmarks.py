@@ -161,8 +161,10 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     assert result["steps"] == 1 and result["step_time_s"] > 0  # the grpo arm trained one step
     assert (tmp_path / "grpo_seed0" / "metrics.csv").is_file()
     assert (tmp_path / "ablation_em.png").stat().st_size > 0 and (tmp_path / "retention.png").stat().st_size > 0
-    table = (tmp_path / "summary.md").read_text().splitlines()
+    table, targets = (tmp_path / "summary.md").read_text().split("\n\n", 1)
+    table = table.splitlines()
     assert len(table) == 4 and table[2].startswith("| base | 0 | ") and table[3].startswith("| grpo | 0 | ")
+    assert targets.startswith("Targets") and "plain GRPO +15 on 4-chunk tasks" in targets
     calls = []
     monkeypatch.setattr(ablation, "run_cli", lambda *a: calls.append(a))
     again = ablation.main(argv)
@@ -258,3 +260,59 @@ def test_ablation_summary_table_rows_in_percent(bench):
     row = report.summary_table({"x": entry}).splitlines()[2]
     paired = "+10.0 [-2.0, +20.0], 5/2, p=0.45 (192 pairs)"
     assert row == f"| x | 0, 1 | 50.0 (40.0–60.0) | {paired} | 25.0 / 75.0 | 100.0 / 0.0 | 50.0 | 20.0 | 61.2 |"
+
+
+def _run(arm: str, seed: int, em: float, four: float, positions: dict[str, tuple[float, int]], step_s=None) -> dict:
+    return {
+        "arm": arm,
+        "seed": seed,
+        "steps": 40,
+        "overall": {"exact_match": em},
+        "by_num_chunks": {"4": {"exact_match": four, "tasks": 20}},
+        "by_answer_position": {k: {"exact_match": v, "tasks": n} for k, (v, n) in positions.items()},
+        "step_time_s": step_s,
+    }
+
+
+def test_ablation_targets_read_from_hand_made_runs(bench):
+    report = importlib.import_module("ablation_report")
+    flat = {"1": (0.5, 10), "2": (0.5, 10), "3": (0.0, 2)}  # position 3 holds too few tasks to count
+    results = [
+        _run("base", 0, 0.2, 0.30, flat),
+        _run("base", 1, 0.2, 0.20, flat),
+        _run("grpo", 0, 0.5, 0.50, {"1": (0.9, 10), "2": (0.6, 10)}, step_s=60.0),  # 40 min of training
+        _run("grpo", 1, 0.3, 0.30, {"1": (0.7, 10), "2": (0.4, 10)}, step_s=90.0),  # 60 min
+        _run("x", 0, 0.7, 0.7, {"1": (0.6, 10), "2": (0.55, 10), "3": (0.0, 2)}),
+        _run("x", 1, 0.6, 0.7, {"1": (0.6, 10), "2": (0.55, 10), "3": (0.0, 2)}),
+        _run("y", 0, 0.9, 0.9, flat),  # best single run, but one seed: not a candidate
+    ]
+    arms = {a: {"seeds": [], "exact_match": 0.0} for a in ("base", "grpo", "x", "y")}
+    for a in arms:
+        ems = [r["overall"]["exact_match"] for r in results if r["arm"] == a]
+        arms[a] = {"seeds": list(range(len(ems))), "exact_match": sum(ems) / len(ems)}
+        arms[a] |= {"exact_match_min": min(ems), "exact_match_max": max(ems)}
+    targets = report.target_readings(results, arms)
+    g = targets["grpo_4_chunk_gain"]
+    assert g["gain_per_seed"] == pytest.approx([0.20, 0.10]) and g["gain"] == pytest.approx(0.15)
+    assert g["train_minutes"] == pytest.approx(50.0) and g["met"]  # +15 points in 50 minutes
+    b = targets["best_over_grpo"]
+    assert b["arm"] == "x" and b["gain"] == pytest.approx(0.25) and b["outside_seed_spread"] and b["met"]
+    r = targets["retention"]
+    assert r["grpo"]["positions"] == ["1", "2"] and r["grpo"]["spread"] == pytest.approx(0.3) and not r["grpo"]["met"]
+    assert r["x"]["spread"] == pytest.approx(0.05) and r["x"]["first_minus_last"] == pytest.approx(0.05)
+    assert r["x"]["met"] and "base" not in r
+    arms["x"]["exact_match_min"] = 0.5  # touches plain GRPO's best seed
+    assert not report.target_readings(results, arms)["best_over_grpo"]["met"]
+    text = report.targets_text(targets)
+    assert "+15.0 (seeds +20.0 / +10.0), 50 min of training: met" in text
+    assert "x (2 seeds) +25.0, seed ranges apart: met" in text
+    assert (
+        "retention flat within 10 (grpo): range 30.0 over answer positions 1, 2 (first − last +30.0): not met" in text
+    )
+
+
+def test_ablation_targets_not_measurable_without_their_runs(bench):
+    report = importlib.import_module("ablation_report")
+    targets = report.target_readings([], {})
+    assert targets == {"grpo_4_chunk_gain": None, "best_over_grpo": None, "retention": {}}
+    assert report.targets_text(targets).count("not measurable") == 2
