@@ -224,31 +224,29 @@ def _met(reading: dict[str, Any]) -> str:
 def targets_text(targets: dict[str, Any]) -> str:
     """The targets' readings as markdown lines (numbers in EM points)."""
     lines = ["Targets, read from the runs above:", ""]
+    grpo_target = f"plain GRPO {100 * GRPO_4_CHUNK_GAIN:+.0f} on 4-chunk tasks within {GRPO_MINUTES:.0f} min"
+    best_target = f"best credit arm {100 * BEST_OVER_GRPO:+.0f} over plain GRPO, outside the seed spread"
     g = targets["grpo_4_chunk_gain"]
     if g is None:
-        lines.append("- plain GRPO +15 on 4-chunk tasks within 60 min: not measurable (needs base and grpo of a seed)")
+        lines.append(f"- {grpo_target}: not measurable (needs base and grpo of a seed)")
     else:
         seeds = " / ".join(f"{100 * v:+.1f}" for v in g["gain_per_seed"])
         minutes = "—" if g["train_minutes"] is None else f"{g['train_minutes']:.0f}"
-        lines.append(
-            f"- plain GRPO +15 on 4-chunk tasks within 60 min: {100 * g['gain']:+.1f} (seeds {seeds}), "
-            f"{minutes} min of training: {_met(g)}"
-        )
+        lines.append(f"- {grpo_target}: {100 * g['gain']:+.1f} (seeds {seeds}), {minutes} min of training: {_met(g)}")
     b = targets["best_over_grpo"]
     if b is None:
-        lines.append(
-            "- best credit arm +5 over plain GRPO, outside the seed spread: not measurable (no credit arm has 2 seeds)"
-        )
+        lines.append(f"- {best_target}: not measurable (no credit arm has 2 seeds)")
     else:
         apart = "apart" if b["outside_seed_spread"] else "overlap or touch"
         lines.append(
-            f"- best credit arm +5 over plain GRPO, outside the seed spread: {b['arm']} ({len(b['seeds'])} seeds) "
+            f"- {best_target}: {b['arm']} ({len(b['seeds'])} seeds) "
             f"{100 * b['gain']:+.1f}, seed ranges {apart}: {_met(b)}"
         )
     for arm, r in targets["retention"].items():
         lines.append(
-            f"- retention flat within 10 ({arm}): range {100 * r['spread']:.1f} over answer positions "
-            f"{', '.join(r['positions'])} (first − last {100 * r['first_minus_last']:+.1f}): {_met(r)}"
+            f"- retention flat within {100 * RETENTION_SPREAD:.0f} ({arm}): range {100 * r['spread']:.1f} "
+            f"over answer positions {', '.join(r['positions'])} "
+            f"(first − last {100 * r['first_minus_last']:+.1f}): {_met(r)}"
         )
     return "\n".join(lines) + "\n"
 
