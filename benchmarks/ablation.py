@@ -14,10 +14,11 @@ Each finished run writes ``benchmarks/results/ablation/<arm>_seed<k>/``: ``resul
 match overall, by number of chunks, by the position of the chunk that held the answer, by hops; mean memory
 length; step time), ``eval_report.json``, ``predictions.jsonl`` (per task: the memory after every chunk,
 the answer, its score), ``metrics.csv`` and ``config.yaml``. A run whose ``result.json`` exists is skipped,
-so an interrupted ablation resumes where it stopped. Then ``ablation_report`` summarises every finished run
-in the results folder (earlier invocations' too): ``summary.json`` (with each arm's ``paired`` difference
-from ``base`` and ``grpo`` on the same seeds and tasks), ``summary.md``, ``ablation_em.png``,
-``retention.png`` and ``paired.png``. Options the script does
+and a run interrupted mid-training resumes from its last step: runs train in ``--work/<arm>_seed<k>``
+(default ``logs/ablation``), saving ``last.ckpt`` after every step, until they finish. Then
+``ablation_report`` summarises every finished run in the results folder (earlier invocations' too):
+``summary.json`` (with each arm's ``paired`` difference from ``base`` and ``grpo`` on the same seeds and
+tasks), ``summary.md``, ``ablation_em.png``, ``retention.png`` and ``paired.png``. Options the script does
 not know (``--model.optimizer.lr=2e-4``) go to every run.
 """
 
@@ -32,12 +33,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import bench_utils as bu
+import torch
 import yaml
 from ablation_report import SECTIONS, finished_runs, summarise
 
@@ -177,24 +178,89 @@ def _csv_mean(path: Path | None, column: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def checkpoint_every_step(config: dict) -> dict:
+    """``config`` with every ``ModelCheckpoint`` saving ``last.ckpt`` after each optimizer step.
+
+    A LoRA checkpoint holds the adapters and their optimizer state only, so this costs little, and an
+    interrupted arm resumes from its last step (the checkpoint restores weights, optimizer, data
+    position and RNG states: the resumed run trains as an uninterrupted one would).
+    """
+    config = copy.deepcopy(config)
+    for entry in _get(config, ("trainer", "callbacks")) or []:
+        if entry.get("class_path") == CHECKPOINT:
+            entry.setdefault("init_args", {}).update(save_last=True, every_n_train_steps=1)
+    return config
+
+
+def prepare_work(work: Path, run: dict) -> Path | None:
+    """Make ``work`` the folder of ``run`` (its config, seed and options); the checkpoint to resume, if any.
+
+    A folder left by an interrupted invocation of the same run keeps its checkpoints and logs; one of
+    another run (a changed config, seed or option) is emptied, since resuming it would mix two runs.
+    """
+    record = work / "run.json"
+    if work.is_dir() and (not record.is_file() or json.loads(record.read_text()) != run):
+        print(f"{work}: left by a different run; starting afresh")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(run, indent=1) + "\n")
+    last = sorted(work.glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    return last[-1] if last else None
+
+
+def merge_metrics(work: Path, dest: Path) -> Path | None:
+    """The ``metrics.csv`` of every invocation of a run as one file: a step redone after a resume counts once.
+
+    An invocation that resumed from step N logs from step N on; the rows an earlier, interrupted one
+    logged for those steps are replaced by the resumed run's.
+    """
+    parts = []
+    for path in sorted(work.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime):
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        steps = [int(row["step"]) for row in rows if row.get("step") not in (None, "")]
+        parts.append((min(steps, default=0), rows))
+    if not parts:
+        return None
+    merged = []
+    for i, (_, rows) in enumerate(parts):
+        until = parts[i + 1][0] if i + 1 < len(parts) else None
+        merged += [r for r in rows if until is None or r.get("step") in (None, "") or int(r["step"]) < until]
+    fields = list(dict.fromkeys(key for _, rows in parts for row in rows for key in row))
+    with dest.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(merged)
+    return dest
+
+
 def run_arm(
-    arm: str, seed: int, config: dict, steps: int | None, extra: list[str], out: Path, in_process: bool
+    arm: str, seed: int, config: dict, steps: int | None, extra: list[str], out: Path, in_process: bool, work: Path
 ) -> dict:
-    """Train (unless ``base``) and validate one arm; write its files under ``out``; return its result."""
+    """Train (unless ``base``) and validate one arm in ``work``; write its files under ``out``; return its result.
+
+    ``work`` outlives an interrupted invocation: the next one resumes from its ``last.ckpt``.
+    """
     out.mkdir(parents=True, exist_ok=True)
     machine = bu.machine(int(os.environ.get("OMP_NUM_THREADS", "0")))  # 0: the CLI picks its threads; code at start
+    config = checkpoint_every_step(config)
     (out / "config.yaml").write_text(yaml.safe_dump(_repo_relative_paths(config), sort_keys=False))
-    work = Path(tempfile.mkdtemp(prefix=f"memrl-ablation-{arm}-"))
+    n = None if arm == "base" else steps or config["trainer"]["max_steps"]
+    resume = prepare_work(work, {"config": config, "seed": seed, "extra": extra})  # more steps: trains on
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))  # the run's copy: absolute paths
     common = ["--config", str(work / "config.yaml"), "--seed_everything", str(seed), *extra]
-    if arm == "base":
+    resumed_from = None
+    if n is None:
         wall = run_cli(["validate", *common], work, in_process)
     else:
-        n = steps or config["trainer"]["max_steps"]
         steps_args = ["--trainer.max_steps", str(n), "--trainer.val_check_interval", str(n)]
+        if resume is not None:
+            resumed_from = int(torch.load(resume, map_location="cpu", weights_only=False)["global_step"])
+            print(f"{arm} seed {seed}: resuming from step {resumed_from} ({resume})")
+            steps_args += ["--ckpt_path", str(resume)]
         wall = run_cli(["fit", *common, *steps_args], work, in_process)
     report, predictions = _newest_report(work)
-    metrics = max(work.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime, default=None)
+    metrics = merge_metrics(work, work / "metrics_merged.csv")
     rows = [json.loads(line) for line in predictions.read_text().splitlines() if line.strip()]
     memories = [len(m.split()) for row in rows for m in row["memories"]]
     shutil.copy(predictions, out / "predictions.jsonl")
@@ -210,7 +276,8 @@ def run_arm(
         "eval_memory_words": statistics.fmean(memories) if memories else 0.0,
         "train_memory_tokens": _csv_mean(metrics if arm != "base" else None, "train/memory_length"),
         "step_time_s": _csv_mean(metrics if arm != "base" else None, "time/step_s"),
-        "wall_s": wall,
+        "wall_s": wall,  # this invocation's; a resumed run's earlier invocations are in step_time_s only
+        "resumed_from_step": resumed_from,
         "machine": machine,
     }
     shutil.rmtree(work, ignore_errors=True)
@@ -253,6 +320,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads of each run (OMP_NUM_THREADS; default: the CLI picks)"
     )
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / "logs" / "ablation", help="runs' checkpoints and logs until they finish"
+    )
     parser.add_argument("--in_process", action="store_true", help="run the CLI in this process (quick checks)")
     args, extra = parser.parse_known_args(argv)  # the rest (e.g. --model.optimizer.lr=2e-4) goes to every run
     if args.threads:
@@ -273,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
             if (out / "result.json").is_file():
                 print(f"{arm} seed {seed}: done before, skipped ({out / 'result.json'})")
             else:
-                run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process)
+                work = args.work / f"{arm}_seed{seed}"
+                run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process, work)
     summary = summarise(finished_runs(args.out, ARMS), args.out)
     print(json.dumps({a: round(100 * s["exact_match"], 1) for a, s in summary["arms"].items()}, indent=2))
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import importlib
 import json
@@ -143,7 +144,7 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     ablation = importlib.import_module("ablation")
     monkeypatch.chdir(BENCHMARKS.parent)
     argv = ["--config", "configs/memagent/tiny.yaml", "--arms", "base", "grpo", "--max_steps", "1"]
-    argv += ["--val_tasks", "4", "--out", str(tmp_path), "--in_process"]
+    argv += ["--val_tasks", "4", "--out", str(tmp_path), "--work", str(tmp_path / "work"), "--in_process"]
     summary = ablation.main(argv)
     assert set(summary["arms"]) == {"base", "grpo"}
     saved = json.loads((tmp_path / "summary.json").read_text())["arms"]["grpo"]
@@ -177,6 +178,54 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     monkeypatch.setattr(ablation, "run_arm", lambda arm, *a: calls.append((arm, os.environ.get("OMP_NUM_THREADS"))))
     ablation.main([*argv, "--threads", "3"])
     assert calls == [("base", "3")]  # only the unfinished run, with the threads asked for
+
+
+def test_ablation_resumes_an_interrupted_run_from_its_last_step(bench, tmp_path, monkeypatch):
+    ablation = importlib.import_module("ablation")
+    monkeypatch.chdir(BENCHMARKS.parent)
+    config = yaml.safe_load((BENCHMARKS.parent / "configs" / "memagent" / "tiny.yaml").read_text())
+    extra = ["--data.synthetic_val.num_tasks", "4"]
+    out, work = tmp_path / "grpo_seed0", tmp_path / "work" / "grpo_seed0"
+
+    def interrupted(root):  # the fit finished its steps, then the invocation died before writing a result
+        raise KeyboardInterrupt
+
+    newest_report = ablation._newest_report
+    monkeypatch.setattr(ablation, "_newest_report", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ablation.run_arm("grpo", 0, config, 1, extra, out, True, work)
+    assert not (out / "result.json").exists() and list(work.glob("**/checkpoints/last.ckpt"))
+    monkeypatch.setattr(ablation, "_newest_report", newest_report)
+    result = ablation.run_arm("grpo", 0, config, 2, extra, out, True, work)
+    assert result["resumed_from_step"] == 1 and result["steps"] == 2
+    with (out / "metrics.csv").open() as f:  # both invocations' steps, each once
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("time/step_s")]
+    assert sorted(steps) == [0, 1]
+    assert not work.exists()  # a finished run leaves no work folder
+
+
+def test_ablation_work_folder_of_another_run_is_not_resumed(bench, tmp_path):
+    ablation = importlib.import_module("ablation")
+    work = tmp_path / "grpo_seed0"
+    assert ablation.prepare_work(work, {"seed": 0}) is None
+    (work / "logs" / "checkpoints").mkdir(parents=True)
+    (work / "logs" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    assert ablation.prepare_work(work, {"seed": 0}) == work / "logs" / "checkpoints" / "last.ckpt"
+    assert ablation.prepare_work(work, {"seed": 1}) is None and not (work / "logs").exists()
+
+
+def test_ablation_merges_the_metrics_of_a_resumed_run(bench, tmp_path):
+    ablation = importlib.import_module("ablation")
+    first, second = tmp_path / "v0" / "metrics.csv", tmp_path / "v1" / "metrics.csv"
+    first.parent.mkdir(), second.parent.mkdir()
+    first.write_text("step,time/step_s\n0,10\n1,11\n2,12\n")  # died after step 2, last checkpoint at step 2
+    second.write_text("step,time/step_s,val/em\n2,20,\n3,30,\n3,,0.5\n")
+    os.utime(first, (1, 1))
+    merged = ablation.merge_metrics(tmp_path, tmp_path / "merged.csv")
+    with merged.open() as f:
+        rows = [(r["step"], r["time/step_s"], r["val/em"]) for r in csv.DictReader(f)]
+    assert rows == [("0", "10", ""), ("1", "11", ""), ("2", "20", ""), ("3", "30", ""), ("3", "", "0.5")]
+    assert ablation.merge_metrics(tmp_path / "v2", tmp_path / "none.csv") is None
 
 
 def test_credit_cost_composes_an_overlay_into_the_base_config_keeping_its_rewards(bench):
