@@ -344,7 +344,13 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{arm} seed {seed}: done before, skipped ({out / 'result.json'})")
             else:
                 work = args.work / f"{arm}_seed{seed}"
-                run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process, work)
+                try:
+                    run_arm(arm, seed, configs[arm], args.max_steps, extra, out, args.in_process, work)
+                except subprocess.CalledProcessError as error:  # e.g. SIGTERM: the run saved last.ckpt first
+                    raise SystemExit(
+                        f"{arm} seed {seed}: the run stopped (exit code {error.returncode}); its checkpoints stay in "
+                        f"{work}, and the same command resumes it from its last step"
+                    ) from None
     summary = summarise(finished_runs(args.out, ARMS), args.out)
     print(json.dumps({a: round(100 * s["exact_match"], 1) for a, s in summary["arms"].items()}, indent=2))
     return summary

@@ -8,6 +8,7 @@ import importlib
 import json
 import math
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,15 @@ def test_ablation_runs_two_arms_and_skips_finished_ones(bench, tmp_path, monkeyp
     monkeypatch.setattr(ablation, "run_arm", lambda arm, *a: calls.append((arm, os.environ.get("OMP_NUM_THREADS"))))
     ablation.main([*argv, "--threads", "3"])
     assert calls == [("base", "3")]  # only the unfinished run, with the threads asked for
+
+    def stopped(*a):
+        raise subprocess.CalledProcessError(143, ["lightning-memrl", "fit"])
+
+    monkeypatch.setattr(ablation, "run_arm", stopped)
+    with pytest.raises(
+        SystemExit, match=r"base seed 0: the run stopped \(exit code 143\).*resumes it from its last step"
+    ):
+        ablation.main(argv)
 
 
 def test_ablation_resumes_an_interrupted_run_from_its_last_step(bench, tmp_path, monkeypatch):
