@@ -30,6 +30,7 @@ import csv
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -160,7 +161,15 @@ def run_cli(args: list[str], cwd: Path, in_process: bool = False) -> float:
     paths = [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     start = time.perf_counter()
-    subprocess.run([exe, *args], cwd=cwd, check=True, env=env)
+    run = subprocess.Popen([exe, *args], cwd=cwd, env=env)
+    # SIGTERM to this script reaches the run, which finishes its step and saves last.ckpt before exiting
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: run.send_signal(signal.SIGTERM))
+    try:
+        code = run.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if code:
+        raise subprocess.CalledProcessError(code, run.args)
     return time.perf_counter() - start
 
 

@@ -8,7 +8,11 @@ import importlib
 import json
 import math
 import os
+import signal
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -212,6 +216,30 @@ def test_ablation_resumes_an_interrupted_run_from_its_last_step(bench, tmp_path,
         steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("time/step_s")]
     assert sorted(steps) == [0, 1]
     assert not work.exists()  # a finished run leaves no work folder
+
+
+def test_ablation_passes_sigterm_on_to_the_run(bench, tmp_path, monkeypatch):
+    ablation = importlib.import_module("ablation")
+    fake = tmp_path / "lightning-memrl"  # stands in for the CLI: on SIGTERM it notes it and exits as the CLI does
+    fake.write_text(
+        f"#!{sys.executable}\nimport signal, sys, time\n"
+        "def stop(*a):\n    open('stopped', 'w').close()\n    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\nopen('started', 'w').close()\ntime.sleep(60)\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(ablation.shutil, "which", lambda name: str(fake))
+
+    def terminate_once_started():
+        while not (tmp_path / "started").exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=terminate_once_started, daemon=True).start()
+    with pytest.raises(subprocess.CalledProcessError) as stopped:
+        ablation.run_cli(["fit"], tmp_path)
+    assert stopped.value.returncode == 143 and (tmp_path / "stopped").exists()
+    assert signal.getsignal(signal.SIGTERM) == before  # this process's own handler is back
 
 
 def test_ablation_work_folder_of_another_run_is_not_resumed(bench, tmp_path):
