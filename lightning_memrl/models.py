@@ -207,9 +207,9 @@ def load_policy(
         revision: the hub model's branch, tag or commit (``from_pretrained``'s ``revision``).
         trust_remote_code: let ``from_pretrained`` run the model repository's own code.
     """
-    path, hub = hub_options(name_or_path, revision, trust_remote_code)
-    check_quantization(name_or_path, lora, quantization, empty_weights)
     torch_dtype = resolve_dtype(dtype, frozen_base=lora is not None)
+    path, hub = hub_options(name_or_path, revision, trust_remote_code, torch_dtype)
+    check_quantization(name_or_path, lora, quantization, empty_weights)
     attn = resolve_attn_implementation(attn_implementation)
     base = adapter_base(name_or_path)  # an exported LoRA adapter: its base with the adapter merged in
     if base is not None:
