@@ -154,3 +154,33 @@ def test_bf16_base_is_merged_only_when_asked() -> None:
     assert calls.count == 0 and asked.merged.merged_mib == pytest.approx(0.28125 / 2)  # bf16 copies
     _, _, gap = _sample(module, asked)
     assert gap < 0.05, f"merged bf16 weights: {gap:.3g}"  # bf16 rounding, not another model
+
+
+def test_packed_rollout_holds_one_copy_of_each_merged_weight() -> None:
+    from lightning_memrl.rollout.packed import PackedStandIn
+
+    module = _module()
+    engine = module.engine
+    assert engine.packed is not None  # CPU: packed weights are the default
+    greedy = GenerationSettings(temperature=0.0, max_new_tokens=8)
+    packed = engine.generate(PROMPTS, greedy)
+    targets = engine.merged.targets
+    adapted = {id(t.layer.base_layer) for t in targets}
+    assert engine.merged._buffers == [] and all(isinstance(t.plain, PackedStandIn) for t in targets)
+    assert engine.merged.merged_mib == pytest.approx(
+        sum(t.layer.base_layer.weight.numel() for t in targets) * 4 / 2**20
+    )
+    others = [  # plain layers neither adapted nor adapters: packed by PackedLinears (here the LM head)
+        m
+        for n, m in module.policy.named_modules()
+        if type(m) is torch.nn.Linear and "lora_" not in n and id(m) not in adapted
+    ]
+    assert others and engine.packed.packed_mib == pytest.approx(sum(m.weight.numel() for m in others) * 4 / 2**20)
+    unpacked = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, pack_weights=False)
+    plain = unpacked.generate(PROMPTS, greedy)
+    assert unpacked.merged.merged_mib == pytest.approx(engine.merged.merged_mib)  # a plain merged copy instead
+    assert [g.token_ids for g in packed] == [g.token_ids for g in plain]
+    for a, b in zip(packed, plain):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    engine.release_memory()
+    assert engine.merged.merged_mib == 0 and engine.packed.packed_mib == 0

@@ -85,7 +85,8 @@ class RolloutEngine(RolloutBackend):
             cannot be merged (4-bit, FSDP-sharded, DoRA) always keep their adapters.
         pack_weights: on CPU, run the linear layers on weights pre-packed for oneDNN during a rollout
             (faster small-batch products, one extra copy of the weights while sampling; see
-            :mod:`lightning_memrl.rollout.packed`). Layers it cannot serve keep their own forward.
+            :mod:`lightning_memrl.rollout.packed`). Merged LoRA weights are then held only packed.
+            Layers it cannot serve keep their own forward.
     """
 
     def __init__(
@@ -104,7 +105,11 @@ class RolloutEngine(RolloutBackend):
         eos = getattr(model.generation_config, "eos_token_id", None)
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self.merged = MergedAdapters(model, low_precision=bool(merge_adapters)) if merge_adapters is not False else None
+        self.merged = (
+            MergedAdapters(model, low_precision=bool(merge_adapters), pack_weights=pack_weights)
+            if merge_adapters is not False
+            else None
+        )
         self.packed = PackedLinears(model) if pack_weights else None
 
     def sync_weights(self, model: Any) -> None:

@@ -13,7 +13,12 @@ The merged buffers are rebuilt after the weights change: :meth:`MergedAdapters.i
 them stale (the rollout engine's ``sync_weights``), and a layer whose adapter or base weight was
 changed in place since its merge (``Tensor._version``) is re-merged anyway before it is swapped in.
 :meth:`MergedAdapters.release` frees the buffers (after a rollout, so they do not add to the
-update's memory); they cost one copy of the adapted layers' weights while a rollout runs.
+update's memory); they cost one copy of the adapted layers' weights while a rollout runs. With
+``pack_weights`` (the engine's default on CPU) that copy is held only in oneDNN's packed layout: each
+layer is merged into one scratch buffer and packed from there into a
+:class:`~lightning_memrl.rollout.packed.PackedStandIn`, instead of a merged copy that
+:class:`~lightning_memrl.rollout.packed.PackedLinears` would then pack into a second one (405 MiB
+less for SmolLM2-135M's fp32 LoRA rollouts).
 
 A layer is merged when its base is a plain ``nn.Linear`` (not a 4-bit or 8-bit layer: QLoRA's
 base cannot hold an exact merged weight) and its active adapters are vanilla LoRA (no DoRA or other variant, no
@@ -38,6 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memrl.rollout.packed import PackedStandIn, packing_available
+
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +55,8 @@ class _Target:
     parent: nn.Module
     attr: str
     layer: Any  # peft.tuners.lora.Linear
-    plain: nn.Linear | None = None  # the merged stand-in, while its buffer is held
+    plain: nn.Module | None = None  # the merged stand-in (nn.Linear or PackedStandIn), while held
+    key: tuple[torch.device, torch.dtype] | None = None  # device and dtype of the base it was made for
     signature: tuple[int, ...] | None = None  # versions of the weights it was merged from
 
 
@@ -88,10 +96,17 @@ class MergedAdapters:
         model: the peft model (its LoRA layers are found once, here).
         low_precision: also merge layers whose base weights are bf16 or fp16 (the merged weight is
             rounded to that dtype); False merges only fp32 bases, where the result is exact.
+        pack_weights: keep the merged weights of CPU layers only packed for oneDNN (see the module
+            docstring), where this torch build can pack their dtype.
+        batch_size: the number of rows the packed layout is tuned for (a hint; any batch works).
     """
 
-    def __init__(self, model: nn.Module, low_precision: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, low_precision: bool = False, pack_weights: bool = False, batch_size: int = 8
+    ) -> None:
         self.model = model
+        self.pack_weights = pack_weights
+        self.batch_size = batch_size
         self.targets = [
             t for t in find_targets(model) if low_precision or t.layer.base_layer.weight.dtype == torch.float32
         ]
@@ -104,8 +119,9 @@ class MergedAdapters:
 
     @property
     def merged_mib(self) -> float:
-        """Memory the merged weights hold now, in MiB (0 when released)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers) / 2**20
+        """Memory the merged weights hold now, plain or packed, in MiB (0 when released)."""
+        plain = sum(b.numel() * b.element_size() for b in self._buffers) / 2**20
+        return plain + sum(t.plain.packed_mib for t in self.targets if isinstance(t.plain, PackedStandIn))
 
     def invalidate(self) -> None:
         """Mark every merged weight stale: the next :meth:`swapped` merges again (call after a weight change)."""
@@ -115,7 +131,7 @@ class MergedAdapters:
     def release(self) -> None:
         """Free the merged weights; the next :meth:`swapped` rebuilds them."""
         for target in self.targets:
-            target.plain, target.signature = None, None
+            target.plain, target.signature, target.key = None, None, None
         self._buffers = []
 
     @contextmanager
@@ -154,10 +170,19 @@ class MergedAdapters:
         """Give every target a merged stand-in from its current weights (only those changed since are redone)."""
         if targets and not self._allocated():
             self._allocate()
+        scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # where packed layers are merged, then freed
         for target in targets:
             signature = _signature(target.layer)
             if signature != target.signature:
-                _merge_into(target.layer, target.plain.weight)  # the parameter itself: its version counts the merge
+                if isinstance(target.plain, PackedStandIn):
+                    weight = target.layer.base_layer.weight
+                    if len(scratch.get(target.key, ())) < weight.numel():
+                        scratch[target.key] = torch.empty(weight.numel(), dtype=weight.dtype, device=weight.device)
+                    merged = scratch[target.key][: weight.numel()].view_as(weight)
+                    _merge_into(target.layer, merged)
+                    target.plain.pack(merged, self.batch_size)
+                else:
+                    _merge_into(target.layer, target.plain.weight)  # the parameter itself: its version counts it
                 target.signature = signature
         if targets and not self._logged:
             self._logged = True
@@ -168,20 +193,20 @@ class MergedAdapters:
             )
 
     def _allocated(self) -> bool:
-        """Whether every target has a stand-in on its base weight's device and in its dtype."""
-        for target in self.targets:
-            base, plain = target.layer.base_layer.weight, target.plain
-            if plain is None or plain.weight.device != base.device or plain.weight.dtype != base.dtype:
-                return False
-        return True
+        """Whether every target has a stand-in made for its base weight's device and dtype."""
+        return all(t.plain is not None and t.key == _key(t.layer.base_layer.weight) for t in self.targets)
 
     def _allocate(self) -> None:
         """One flat buffer per (device, dtype) holding every target's merged weight, and the stand-ins over it."""
         groups: dict[tuple[torch.device, torch.dtype], list[_Target]] = {}
+        self._buffers = []
         for target in self.targets:
             weight = target.layer.base_layer.weight
-            groups.setdefault((weight.device, weight.dtype), []).append(target)
-        self._buffers = []
+            target.key, target.signature = _key(weight), None
+            if self._packs(weight):
+                target.plain = PackedStandIn(target.layer, target.layer.base_layer.bias)
+            else:
+                groups.setdefault(target.key, []).append(target)
         for (device, dtype), members in groups.items():
             flat = torch.empty(sum(t.layer.base_layer.weight.numel() for t in members), dtype=dtype, device=device)
             self._buffers.append(flat)
@@ -191,7 +216,14 @@ class MergedAdapters:
                 view = flat[offset : offset + base.weight.numel()].view_as(base.weight)
                 offset += base.weight.numel()
                 target.plain = _plain_linear(base, view)
-                target.signature = None
+
+    def _packs(self, weight: Tensor) -> bool:
+        """Whether a merged weight like ``weight`` is kept only packed."""
+        return self.pack_weights and weight.device.type == "cpu" and packing_available(weight.dtype)
+
+
+def _key(weight: Tensor) -> tuple[torch.device, torch.dtype]:
+    return weight.device, weight.dtype
 
 
 def _plain_linear(base: nn.Linear, weight: Tensor) -> nn.Linear:

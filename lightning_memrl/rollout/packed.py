@@ -94,15 +94,59 @@ def _adapter_layers(model: nn.Module) -> set[nn.Module]:
     return found
 
 
+def pack_weight(weight: Tensor, batch_size: int) -> Tensor:
+    """A copy of a ``[out, in]`` CPU linear weight in oneDNN's blocked layout, tuned for ``batch_size`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size)
+
+
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packed_forward(module: nn.Linear, pack: _Pack) -> Callable[[Tensor], Tensor]:
     """The layer's forward through the packed weight; with gradients on, ``nn.Linear``'s own."""
 
     def forward(x: Tensor) -> Tensor:
         if torch.is_grad_enabled() or x.dtype != pack.weight.dtype:
             return F.linear(x, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, pack.weight, module.bias, "none", [], "")
+        return _packed_linear(x, pack.weight, module.bias)
 
     return forward
+
+
+class PackedStandIn(nn.Module):
+    """Stands in for an adapted layer during a rollout, computing with a weight held only packed.
+
+    :class:`~lightning_memrl.rollout.merged.MergedAdapters` packs each merged LoRA weight ``W +
+    scaling * B @ A`` straight from a scratch buffer into this layer, so a rollout holds one copy
+    of the adapted layers' weights (packed) instead of two (merged, then packed). With gradients on
+    or another input dtype it runs ``fallback`` (the peft layer: the same function, adapters added).
+
+    Args:
+        fallback: the layer it stands in for; not registered as a submodule, so a module walk of the
+            model (e.g. :class:`PackedLinears`) does not reach the peft layer's own base layer.
+        bias: the base layer's bias (shared, never written), or None.
+    """
+
+    def __init__(self, fallback: nn.Module, bias: Tensor | None) -> None:
+        super().__init__()
+        self.__dict__["fallback"] = fallback
+        self.__dict__["bias"] = bias
+        self.packed: Tensor | None = None
+
+    def pack(self, weight: Tensor, batch_size: int) -> None:
+        """Replace the packed weight by a pack of ``weight`` (which may be reused once this returns)."""
+        self.packed = pack_weight(weight, batch_size)
+
+    @property
+    def packed_mib(self) -> float:
+        """Memory the packed weight holds, in MiB."""
+        return 0.0 if self.packed is None else self.packed.numel() * self.packed.element_size() / 2**20
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None or torch.is_grad_enabled() or x.dtype != self.packed.dtype:
+            return self.fallback(x)
+        return _packed_linear(x, self.packed, self.bias)
 
 
 class PackedLinears:
@@ -158,5 +202,4 @@ class PackedLinears:
         signature = _signature(layer.weight)
         pack = self._packs.get(layer)
         if pack is None or pack.signature != signature:
-            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), self.batch_size)
-            self._packs[layer] = _Pack(packed, signature)
+            self._packs[layer] = _Pack(pack_weight(layer.weight, self.batch_size), signature)
