@@ -217,6 +217,11 @@ def ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs and ours == ours and theirs == theirs else float("nan")
 
 
+def tagged(name: str, tag: str) -> str:
+    """``name`` with ``_<tag>`` appended when a tag is given (a result file per machine or variant)."""
+    return f"{name}_{tag}" if tag else name
+
+
 def write_result(name: str, result: dict[str, Any]) -> Path:
     """Write ``result`` as ``benchmarks/results/<name>.json``; returns the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
 * with ``--lora_r``: the engine over the same weights with LoRA adapters (alpha 2r, every linear
   layer) sampling from merged weights (``merge_adapters``, the default) and through peft's layers.
 
-Ratios: bare / floor, engine / floor, engine / bare. Writes ``benchmarks/results/decode_<model>.json``
+Ratios: bare / floor, engine / floor, engine / bare. Writes ``benchmarks/results/decode_<model>[_<tag>].json``
 with the machine (CPU flags included). Timings on a CPU other jobs share are not comparable.
 """
 
@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="also time the decode loop's compiled step")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0, help="prompt and sampling seed")
+    parser.add_argument("--tag", default="", help="suffix of the result file (e.g. the machine kind)")
     args = parser.parse_args(argv)
     if min(args.batch, args.prompt_tokens, args.steps, args.repeats, args.bandwidth_mib) < 1:
         parser.error("--batch, --prompt_tokens, --steps, --repeats and --bandwidth_mib must be >= 1")
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bandwidth_tensor_mib": args.bandwidth_mib,
         "dtypes": rows,
     }
-    out = bu.write_result(f"decode_{bu.model_tag(args.model)}", result)
+    out = bu.write_result(bu.tagged(f"decode_{bu.model_tag(args.model)}", args.tag), result)
     print(
         f"Decode on {args.model}: batch {args.batch}, prompt {args.prompt_tokens} tokens, {args.steps} steps, "
         f"{args.threads} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s\n"

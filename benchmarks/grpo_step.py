@@ -44,7 +44,7 @@ Phases, measured (not derived from settings) in seconds per step:
 Medians over ``--steps`` steps after ``--warmup`` warm-up steps. Tokens/s is generated tokens per
 step over step time. Peak RSS is ``ru_maxrss`` of each side's process (imports, both models,
 optimizer state and activations); ``loaded RSS`` is the RSS after the models were loaded. Writes a
-markdown table to stdout and JSON to ``benchmarks/results/grpo_step_<model>.json``.
+markdown table to stdout and JSON to ``benchmarks/results/grpo_step_<model>[_lora<r>][_<tag>].json``.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl_precision", default="auto", choices=["auto", "bf16", "fp32"], help="TRL's precision")
     parser.add_argument("--ours_kwargs", default="{}", help="JSON of extra MemRLModule arguments (e.g. rollout)")
     parser.add_argument("--sides", default="ours,trl", help="comma-separated sides to run: ours, trl")
+    parser.add_argument("--tag", default="", help="suffix of the result file (e.g. the machine kind)")
     parser.add_argument("--model_path", help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     headers, rows = bu.comparison_table(LABELS, results, sides, ratios, {"ours": "ours", "trl": "TRL"}, "ours / TRL")
     result = result_record(args, argv, results, ratios, same_prompt)
     tag = bu.model_tag(args.model) + (f"_lora{args.lora_r}" if args.lora_r else "")
-    path = bu.write_result(f"grpo_step_{tag}", result)
+    path = bu.write_result(bu.tagged(f"grpo_step_{tag}", args.tag), result)
     work = result["work"]
     print(
         f"GRPO step on {args.model}: 1 prompt x {work['group']} generations, {work['prompt_tokens']} prompt tokens, "
