@@ -74,3 +74,37 @@ def test_stop_string_cuts_response(tiny_model, tiny_tokenizer):
     assert stop in tiny_tokenizer.decode(cut.token_ids)
     assert stop not in tiny_tokenizer.decode(cut.token_ids[:-1])
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
+
+
+def test_logprobs_recorded_while_sampling_equal_generates_own_logits(tiny_model, tiny_tokenizer):
+    """Streamed log-probs (one step's logits held at a time) are exactly those of ``output_logits=True``."""
+    from lightning_memrl.logprobs import selected_logprobs
+    from lightning_memrl.rollout.prefix import left_pad
+
+    engine = RolloutEngine(tiny_model, tiny_tokenizer, share_prefixes=False, pack_weights=False)
+    prompts = _prompts(tiny_tokenizer)
+    settings = GenerationSettings(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=10)
+    kept: list = []
+    original = tiny_model.generate
+
+    def generate(**kwargs):  # the engine's own call, with generate's logits asked for as well
+        out = original(**{**kwargs, "output_logits": True})
+        kept.append(out)
+        return out
+
+    tiny_model.generate = generate
+    try:
+        torch.manual_seed(3)
+        gens = engine.generate(prompts, settings)
+    finally:
+        del tiny_model.generate
+    (out,) = kept
+    ids, _ = left_pad(prompts, engine.pad_id, torch.device("cpu"))
+    new_ids = out.sequences[:, ids.shape[1] :]
+    assert len(out.logits) == new_ids.shape[1] >= 2
+    expected = torch.stack([selected_logprobs(lg, new_ids[:, s], 0.7) for s, lg in enumerate(out.logits)], dim=1)
+    for row, gen in enumerate(gens):
+        n = len(gen.token_ids)
+        assert gen.token_ids == new_ids[row, :n].tolist()
+        assert torch.equal(gen.logprobs, expected[row, :n])  # bit for bit
+    assert engine._generate_kwargs(settings, 10)["output_logits"] is False  # the engine keeps no [S, B, V] logits

@@ -64,6 +64,49 @@ model's ``generation_config`` (Qwen2.5-Instruct ships ``repetition_penalty: 1.05
 sample from another distribution than the one whose log-probs are recorded and trained on."""
 
 
+class SampledLogprobs:
+    """The sampled tokens' log-probs, recorded while ``generate`` runs, from one step's logits at a time.
+
+    ``generate(output_logits=True)`` would keep every step's fp32 ``[B, V]`` logits until it returns:
+    ``S * B * V * 4`` bytes (6.4 GB for 64 rows of 512 tokens over a 49k vocabulary). A forward hook on
+    the causal LM keeps only the last step's logits: the next forward's input is the token sampled from
+    them, so that token's log-prob (:func:`~lightning_memrl.logprobs.selected_logprobs` of the raw logits
+    over ``scale``, before any processor) is taken then and the logits dropped. The numbers are the
+    ones ``output_logits`` gives (the same logits, cast to fp32 as ``generate`` casts them).
+
+    Args:
+        model: the model ``generate`` is called on (a peft wrapper included).
+        scale: the sampling temperature (1 when greedy).
+    """
+
+    def __init__(self, model: Any, scale: float) -> None:
+        self.lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # what generate calls
+        self.scale = scale
+        self.steps: list[Tensor] = []  # [B] log-probs of the tokens sampled so far, but the last
+        self.last: Tensor | None = None  # [B, V] fp32 logits of the latest forward
+
+    def __enter__(self) -> SampledLogprobs:
+        self.handle = self.lm.register_forward_hook(self._record, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+
+    def _record(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if self.last is not None:  # this forward's input is the token sampled from the last logits
+            token = kwargs["input_ids"][:, -1].to(self.last.device)
+            self.steps.append(selected_logprobs(self.last, token, self.scale))
+        self.last = output.logits[:, -1].to(dtype=torch.float32, copy=True)
+
+    def logprobs(self, new_ids: Tensor) -> Tensor:
+        """``[B, S]`` log-probs of the ``S`` new tokens ``generate`` returned (steps it undid are dropped)."""
+        steps = self.steps[: new_ids.shape[1]]
+        if len(steps) < new_ids.shape[1]:  # the last token: sampled from the last forward's logits
+            steps.append(selected_logprobs(self.last, new_ids[:, len(steps)].to(self.last.device), self.scale))
+        self.last = None
+        return torch.stack(steps, dim=1)
+
+
 class RolloutEngine(RolloutBackend):
     """Batched sampling with left padding and the KV cache of ``model.generate``.
 
@@ -163,16 +206,12 @@ class RolloutEngine(RolloutBackend):
             kwargs = self._generate_kwargs(settings, max_new_tokens)
             if cache is not None:
                 kwargs["cache"] = cache  # generate feeds only the columns after the cache
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        new_ids = out.sequences[:, input_ids.shape[1] :].cpu()  # [B, S]
-        scale = settings.temperature if settings.temperature > 0 else 1.0
-        token_logprobs = torch.stack(  # [B, S]; one step's [B, V] logits in fp32 at a time, never [B, S, V]
-            [
-                selected_logprobs(step_logits, new_ids[:, step].to(step_logits.device), scale)
-                for step, step_logits in enumerate(out.logits)
-            ],
-            dim=1,
-        ).cpu()
+            scale = settings.temperature if settings.temperature > 0 else 1.0
+            with SampledLogprobs(self.model, scale) as recorder:
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        new_ids = out.sequences[:, input_ids.shape[1] :]  # [B, S]
+        token_logprobs = recorder.logprobs(new_ids).cpu()  # [B, S]
+        new_ids = new_ids.cpu()
         return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
 
     def _prefill(self, prompts: list[list[int]], prefix_labels: list[Any] | None) -> tuple[Tensor, Tensor, Any]:
@@ -197,7 +236,7 @@ class RolloutEngine(RolloutBackend):
             "pad_token_id": self.pad_id,
             "eos_token_id": sorted(self.eos_ids),
             "return_dict_in_generate": True,
-            "output_logits": True,
+            "output_logits": False,  # SampledLogprobs scores each token as it is sampled
             "use_cache": True,
         }
         if not greedy:
