@@ -184,3 +184,25 @@ def test_packed_rollout_holds_one_copy_of_each_merged_weight() -> None:
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     engine.release_memory()
     assert engine.merged.merged_mib == 0 and engine.packed.packed_mib == 0
+
+
+def test_packed_stand_in_runs_the_peft_layer_with_gradients_on() -> None:
+    from lightning_memrl.rollout.packed import PackedStandIn
+
+    module = _module()
+    engine = module.engine
+    target = engine.merged.targets[0]
+    x = torch.randn(3, target.layer.in_features)
+    with torch.no_grad():
+        expected = target.layer(x)
+    with engine.sampling_weights():
+        stand_in = target.parent._modules[target.attr]
+        assert isinstance(stand_in, PackedStandIn)
+        with torch.no_grad():
+            packed = stand_in(x)  # the packed merged weight
+        with torch.enable_grad():
+            through_peft = stand_in(x.requires_grad_())  # the peft layer: adapters in the graph
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(through_peft, expected, atol=0, rtol=0)
+    through_peft.sum().backward()
+    assert target.layer.lora_B["default"].weight.grad is not None

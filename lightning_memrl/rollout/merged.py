@@ -17,8 +17,8 @@ update's memory); they cost one copy of the adapted layers' weights while a roll
 ``pack_weights`` (the engine's default on CPU) that copy is held only in oneDNN's packed layout: each
 layer is merged into one scratch buffer and packed from there into a
 :class:`~lightning_memrl.rollout.packed.PackedStandIn`, instead of a merged copy that
-:class:`~lightning_memrl.rollout.packed.PackedLinears` would then pack into a second one (405 MiB
-less for SmolLM2-135M's fp32 LoRA rollouts).
+:class:`~lightning_memrl.rollout.packed.PackedLinears` would then pack into a second one (the fp32
+quickstart's rollout peak: 1792 -> 1390 MiB above the post-import RSS).
 
 A layer is merged when its base is a plain ``nn.Linear`` (not a 4-bit or 8-bit layer: QLoRA's
 base cannot hold an exact merged weight) and its active adapters are vanilla LoRA (no DoRA or other variant, no
