@@ -19,7 +19,8 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
   the dynamic one; with ``--compile`` also its ``torch.compile``-d step: the warm-up (the first call's
   time minus the same call's once compiled) and the step after it.
 * with ``--lora_r``: the engine over the same weights with LoRA adapters (alpha 2r, every linear
-  layer) sampling from merged weights (``merge_adapters``, the default) and through peft's layers.
+  layer) on its default LoRA path (merged weights over an fp32 base, low-rank stand-ins over a bf16
+  one: ``lightning_memrl.rollout.merged``) and through peft's layers (``merge_adapters: false``).
 
 Ratios: bare / floor, engine / floor, engine / bare. Writes ``benchmarks/results/decode_<model>[_<tag>].json``
 with the machine (CPU flags included). Timings on a CPU other jobs share are not comparable.
@@ -56,8 +57,8 @@ LABELS = {
     "bare_packed_ms": "bare step, oneDNN-packed weights (ms)",
     "engine_unpacked_ms": "our engine, weights not packed (`pack_weights: false`) (ms)",
     "pack_s": "packing the weights, once per rollout (s)",
-    "engine_lora_merged_ms": "engine, LoRA merged (ms)",
-    "engine_lora_unmerged_ms": "engine, LoRA through peft (ms)",
+    "engine_lora_ms": "engine, LoRA: merged (fp32) or low-rank stand-ins (bf16) (ms)",
+    "engine_lora_peft_ms": "engine, LoRA through peft (ms)",
     "bare_over_floor": "bare / floor",
     "engine_over_floor": "engine / floor",
     "engine_over_bare": "engine / bare",
@@ -188,12 +189,11 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
         lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r)
         adapted = load_policy(path, tokenizer, dtype=dtype, lora=lora).eval()
         adapted.config.use_cache = True
-        for merged in (True, False):
-            engine = RolloutEngine(adapted, tokenizer, merge_adapters=merged)
-            key = f"engine_lora_{'merged' if merged else 'unmerged'}_ms"
+        for key, merge in (("engine_lora_ms", None), ("engine_lora_peft_ms", False)):
+            engine = RolloutEngine(adapted, tokenizer, merge_adapters=merge)
             row[key] = engine_decode_ms(engine, prompts.tolist(), args.steps, args.repeats)
-            if merged:
-                row["lora_merged_mib"] = engine.merged.merged_mib
+            if engine.merged:
+                row["lora_copies_mib"] = engine.merged.merged_mib
     row["bare_over_floor"] = row["bare_ms"] / row["floor_ms"]
     row["engine_over_floor"] = row["engine_ms"] / row["floor_ms"]
     row["engine_over_bare"] = row["engine_ms"] / row["bare_ms"]

@@ -28,12 +28,13 @@ conversations, prompt tokens (sum of prompt lengths), the positions the model ac
 ours / naive. Generated lengths differ between the sides (sampling), so tokens/s is the measure.
 Weights are float32 unless ``--dtype bfloat16`` (or ``auto`` on a CPU with bf16 hardware), the same
 on both sides; ``--lora_r`` adds fresh LoRA adapters (alpha 2r, every linear layer; B starts at zero,
-so the sampled tokens match the full-weight run's) that ours samples through merged weights unless
-``--merge_adapters false``; ours runs its linear layers on oneDNN-packed weights unless
-``--pack_weights false``. ``--backend decode_loop`` runs ours through ``DecodeLoopEngine`` (its own
-decode loop; ``--cache`` and ``--drop_finished`` are its options) instead of
+so the sampled tokens match the full-weight run's) that ours samples on the engine's default path
+(merged weights over an fp32 base, low-rank stand-ins over a bf16 one), merged in bf16 too with
+``--merge_adapters true``, through peft with ``--merge_adapters false``; ours runs its linear layers
+on oneDNN-packed weights unless ``--pack_weights false``. ``--backend decode_loop`` runs ours through
+``DecodeLoopEngine`` (its own decode loop; ``--cache`` and ``--drop_finished`` are its options) instead of
 ``RolloutEngine`` (``model.generate``). Writes ``benchmarks/results/rollout_<model>.json`` (``_small``, ``_<tag>``,
-``_lora<r>``, ``_unmerged``, ``_decode_loop...`` added to the name).
+``_lora<r>``, ``_merged``, ``_unmerged``, ``_decode_loop...`` added to the name).
 """
 
 from __future__ import annotations
@@ -101,7 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights, both sides")
     parser.add_argument("--lora_r", type=int, default=0, help="LoRA adapters of rank r (alpha 2r) on both sides")
     parser.add_argument(
-        "--merge_adapters", default="true", choices=["true", "false"], help="ours with LoRA: sample from merged weights"
+        "--merge_adapters",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="ours with LoRA: auto = the engine's default (merged fp32 bases, low-rank stand-ins over bf16 ones), "
+        "true = merge bf16 bases too, false = through peft",
     )
     parser.add_argument(
         "--backend", default="generate", choices=["generate", "decode_loop"], help="ours: generate or DecodeLoopEngine"
@@ -219,7 +224,8 @@ def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], s
 
 def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> RolloutEngine:
     """Ours: ``RolloutEngine`` (``model.generate``) or, with ``--backend decode_loop``, ``DecodeLoopEngine``."""
-    common = {"merge_adapters": args.merge_adapters == "true", "pack_weights": args.pack_weights == "true"}
+    merge = {"auto": None, "true": True, "false": False}[args.merge_adapters]
+    common = {"merge_adapters": merge, "pack_weights": args.pack_weights == "true"}
     if args.backend == "generate":
         return RolloutEngine(model, tokenizer, **common)
     options = {"cache": args.cache, "drop_finished": args.drop_finished == "true"}
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         tag += f"_decode_loop_{args.cache}"
         tag += "" if args.drop_finished == "true" else "_keep_finished"
     if args.lora_r:
-        tag += f"_lora{args.lora_r}" + ("" if args.merge_adapters == "true" else "_unmerged")
+        tag += f"_lora{args.lora_r}" + {"auto": "", "true": "_merged", "false": "_unmerged"}[args.merge_adapters]
     tag += "" if args.pack_weights == "true" else "_unpacked"
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {

@@ -143,17 +143,65 @@ def test_module_rollout_frees_the_merged_weights() -> None:
     assert module.engine.merged.merged_mib == 0  # not held through the update
 
 
-def test_bf16_base_is_merged_only_when_asked() -> None:
+def test_bf16_base_adds_the_low_rank_products_itself_and_merges_only_when_asked(monkeypatch) -> None:
+    from lightning_memrl.rollout import lowrank
+
     module = _module(dtype="bfloat16")
     calls = _Calls(module.policy)
-    module.engine.generate(PROMPTS, SETTINGS)  # default: not exact in bf16, so through peft
-    assert calls.count > 0 and not module.engine.merged
+    weights = []  # every weight the stand-ins multiply by: a group's stacked A, or a layer's scaling * B
+    linear = lowrank.F.linear
+    monkeypatch.setattr(lowrank.F, "linear", lambda x, w, b=None: weights.append(w) or linear(x, w, b))
+    gens = module.engine.generate(PROMPTS, SETTINGS)  # default: bf16 bases keep their own weights
+    monkeypatch.undo()
+    assert calls.count == 0 and all(t.low_rank for t in module.engine.merged.targets)  # no peft layer ran
+    stacked = [group.a_all for group, _ in module.engine.merged._groups.values()]
+    products = sum(any(w is a for a in stacked) for w in weights)
+    forwards = max(len(g.token_ids) for g in gens)  # the prefill, then one forward per further token
+    # per decoder layer and forward: 7 adapted layers, 4 products with A (q+k+v share one, o, gate+up, down)
+    assert (products, len(weights) - products) == (2 * forwards * 4, 2 * forwards * 7)
+    # stacked A (fp32): attention 4 layers x r 4 x 64, gate+up 2 x 4 x 64, down 4 x 128; scaling * B: 4 x 512 outputs
+    assert module.engine.merged.merged_mib == pytest.approx(2 * (1024 + 512 + 512 + 4 * 512) * 4 / 2**20)
+    _, _, gap = _sample(module, module.engine)
+    assert gap < 1e-5, f"low-rank stand-ins vs the learner's peft layers, bf16: {gap:.3g}"
     asked = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, merge_adapters=True)
     calls.count = 0
     asked.generate(PROMPTS, SETTINGS)
-    assert calls.count == 0 and asked.merged.merged_mib == pytest.approx(0.28125 / 2)  # bf16 copies
+    assert calls.count == 0 and asked.merged.merged_mib == pytest.approx(0.28125 / 2)  # bf16 merged copies
     _, _, gap = _sample(module, asked)
-    assert gap < 0.05, f"merged bf16 weights: {gap:.3g}"  # bf16 rounding, not another model
+    assert 1e-4 < gap < 0.05, f"merged bf16 weights: {gap:.3g}"  # bf16 rounding, not another model
+
+
+def test_low_rank_stand_ins_follow_every_optimizer_step_and_fall_back_with_gradients() -> None:
+    from lightning_memrl.rollout.lowrank import LowRankStandIn
+
+    module = _module(dtype="bfloat16")
+    adapters = [p for p in module.policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(adapters, lr=0.05, foreach=False, fused=True)  # fused: writes without a version bump
+    _sample(module, module.engine)
+    before = _logits(module)
+    torch.stack([p.sum() for p in adapters]).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    module.engine.sync_weights(module.policy)
+    _, _, gap = _sample(module, module.engine)
+    assert float((_logits(module) - before).abs().max()) > 1e-3 and gap < 1e-5, f"after a step: {gap:.3g}"
+    target = module.engine.merged.targets[0]
+    x = torch.randn(3, target.layer.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = target.layer(x)
+    with module.engine.sampling_weights():
+        stand_in = target.parent._modules[target.attr]
+        assert isinstance(stand_in, LowRankStandIn)
+        with torch.no_grad():
+            served = stand_in(x)
+        with torch.enable_grad():
+            through_peft = stand_in(x.requires_grad_())
+    torch.testing.assert_close(served, expected, atol=0, rtol=0)
+    torch.testing.assert_close(through_peft, expected, atol=0, rtol=0)
+    through_peft.sum().backward()
+    assert target.layer.lora_A["default"].weight.grad is not None
+    module.engine.release_memory()
+    assert module.engine.merged.merged_mib == 0
 
 
 def test_packed_rollout_holds_one_copy_of_each_merged_weight() -> None:

@@ -123,9 +123,12 @@ class RolloutEngine(RolloutBackend):
         min_shared_prefix: shortest shared prefix, in tokens, worth a separate prefill.
         merge_adapters: with LoRA, sample from merged copies of the adapted linear layers' weights
             (the plain model's speed; see :mod:`lightning_memrl.rollout.merged`). None (default):
-            layers whose base weights are fp32, where merging is exact; True: bf16/fp16 bases too
-            (the merged weight rounded to their dtype); False: every layer through peft. Layers that
-            cannot be merged (4-bit, FSDP-sharded, DoRA) always keep their adapters.
+            layers whose base weights are fp32, where merging is exact; bf16/fp16 bases keep their
+            weights and add the adapters' products through
+            :class:`~lightning_memrl.rollout.lowrank.LowRankStandIn` (peft's arithmetic, fewer
+            operations); True: bf16/fp16 bases merged too (the merged weight rounded to their dtype);
+            False: every layer through peft. Layers that cannot be merged (4-bit, FSDP-sharded, DoRA)
+            always keep their adapters.
         pack_weights: on CPU, run the linear layers on weights pre-packed for oneDNN during a rollout
             (faster small-batch products, one extra copy of the weights while sampling; see
             :mod:`lightning_memrl.rollout.packed`). Merged LoRA weights are then held only packed.

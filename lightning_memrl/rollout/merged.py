@@ -29,7 +29,9 @@ sum is formed in fp32 and rounded once to the base weight's dtype: with fp32 wei
 matches the adapted model to float rounding. With a bf16 (or fp16) base the merged weight is
 rounded to bf16, which moves the log-probs by more than peft's path does (the tiny model: a largest
 rollout/update gap of 6e-3 against 2e-3), so such layers are merged only when asked
-(``low_precision``).
+(``low_precision``); otherwise they are served by a
+:class:`~lightning_memrl.rollout.lowrank.LowRankStandIn`, which adds the adapters' fp32 low-rank
+products to the base product in fewer operations than peft's layer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memrl.rollout.lowrank import LowRankStandIn, SharedInput, group_key, refresh_group
 from lightning_memrl.rollout.packed import PackedStandIn, packing_available
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,9 @@ class _Target:
     parent: nn.Module
     attr: str
     layer: Any  # peft.tuners.lora.Linear
-    plain: nn.Module | None = None  # the merged stand-in (nn.Linear or PackedStandIn), while held
+    plain: nn.Module | None = None  # the stand-in (nn.Linear, PackedStandIn or LowRankStandIn), while held
+    low_rank: bool = False  # served by a LowRankStandIn (a low-precision base), not a merged weight
+    group: tuple[Any, ...] = ()  # low_rank: the key of its SharedInput group
     key: tuple[torch.device, torch.dtype] | None = None  # device and dtype of the base it was made for
     signature: tuple[int, ...] | None = None  # versions of the weights it was merged from
 
@@ -95,7 +100,8 @@ class MergedAdapters:
     Args:
         model: the peft model (its LoRA layers are found once, here).
         low_precision: also merge layers whose base weights are bf16 or fp16 (the merged weight is
-            rounded to that dtype); False merges only fp32 bases, where the result is exact.
+            rounded to that dtype); False merges only fp32 bases, where the result is exact, and
+            serves the others with :class:`~lightning_memrl.rollout.lowrank.LowRankStandIn`.
         pack_weights: keep the merged weights of CPU layers only packed for oneDNN (see the module
             docstring), where this torch build can pack their dtype.
         batch_size: the number of rows the packed layout is tuned for (a hint; any batch works).
@@ -107,9 +113,10 @@ class MergedAdapters:
         self.model = model
         self.pack_weights = pack_weights
         self.batch_size = batch_size
-        self.targets = [
-            t for t in find_targets(model) if low_precision or t.layer.base_layer.weight.dtype == torch.float32
-        ]
+        self.targets = find_targets(model)
+        for target in self.targets:
+            target.low_rank = not low_precision and target.layer.base_layer.weight.dtype != torch.float32
+        self._groups: dict[tuple[Any, ...], tuple[SharedInput, list[_Target]]] = {}  # low-rank layers by input
         self._buffers: list[Tensor] = []  # one flat buffer per (device, dtype), the merged weights are views
         self._logged = False
         self._sharded: bool | None = None  # decided at the first swap
@@ -121,7 +128,9 @@ class MergedAdapters:
     def merged_mib(self) -> float:
         """Memory the merged weights hold now, plain or packed, in MiB (0 when released)."""
         plain = sum(b.numel() * b.element_size() for b in self._buffers) / 2**20
-        return plain + sum(t.plain.packed_mib for t in self.targets if isinstance(t.plain, PackedStandIn))
+        packed = sum(t.plain.packed_mib for t in self.targets if isinstance(t.plain, PackedStandIn))
+        low_rank = sum(t.plain.held_mib for t in self.targets if isinstance(t.plain, LowRankStandIn))
+        return plain + packed + low_rank + sum(group.held_mib for group, _ in self._groups.values())
 
     def invalidate(self) -> None:
         """Mark every merged weight stale: the next :meth:`swapped` merges again (call after a weight change)."""
@@ -133,6 +142,7 @@ class MergedAdapters:
         for target in self.targets:
             target.plain, target.signature, target.key = None, None, None
         self._buffers = []
+        self._groups = {}
 
     @contextmanager
     def swapped(self) -> Iterator[int]:
@@ -154,6 +164,8 @@ class MergedAdapters:
         finally:
             for target in active:
                 target.parent._modules[target.attr] = target.layer
+            for group, _ in self._groups.values():
+                group.forget()  # the last input and its product
 
     def _active(self, target: _Target) -> bool:
         """Whether the layer's forward now adds its adapters (and does so without dropout)."""
@@ -171,10 +183,13 @@ class MergedAdapters:
         if targets and not self._allocated():
             self._allocate()
         scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}  # where packed layers are merged, then freed
+        stale_groups = set()
         for target in targets:
             signature = _signature(target.layer)
             if signature != target.signature:
-                if isinstance(target.plain, PackedStandIn):
+                if target.low_rank:
+                    stale_groups.add(target.group)
+                elif isinstance(target.plain, PackedStandIn):
                     weight = target.layer.base_layer.weight
                     if len(scratch.get(target.key, ())) < weight.numel():
                         scratch[target.key] = torch.empty(weight.numel(), dtype=weight.dtype, device=weight.device)
@@ -184,11 +199,19 @@ class MergedAdapters:
                 else:
                     _merge_into(target.layer, target.plain.weight)  # the parameter itself: its version counts it
                 target.signature = signature
+        for key in stale_groups:  # a group's layers share one stacked A: all are rebuilt together
+            group, members = self._groups[key]
+            refresh_group(group, [m.plain for m in members])
+            for member in members:
+                member.signature = _signature(member.layer)
         if targets and not self._logged:
             self._logged = True
+            low_rank = sum(t.low_rank for t in self.targets)
             log.info(
-                "rollouts run on merged LoRA weights: %d adapted linear layers, %.1f MiB of merged copies",
-                len(self.targets),
+                "LoRA rollouts: %d adapted linear layers on merged weights, %d adding their low-rank products "
+                "to a low-precision base; %.1f MiB of copies",
+                len(self.targets) - low_rank,
+                low_rank,
                 self.merged_mib,
             )
 
@@ -199,11 +222,16 @@ class MergedAdapters:
     def _allocate(self) -> None:
         """One flat buffer per (device, dtype) holding every target's merged weight, and the stand-ins over it."""
         groups: dict[tuple[torch.device, torch.dtype], list[_Target]] = {}
-        self._buffers = []
+        self._buffers, self._groups = [], {}
         for target in self.targets:
             weight = target.layer.base_layer.weight
             target.key, target.signature = _key(weight), None
-            if self._packs(weight):
+            if target.low_rank:
+                target.group = group_key(target.parent, target.layer)
+                shared, members = self._groups.setdefault(target.group, (SharedInput(), []))
+                members.append(target)
+                target.plain = LowRankStandIn(target.layer, shared)
+            elif self._packs(weight):
                 target.plain = PackedStandIn(target.layer, target.layer.base_layer.bias)
             else:
                 groups.setdefault(target.key, []).append(target)
