@@ -1,7 +1,7 @@
 """Decode speed against the hardware: the weight-streaming floor, a bare decode step, our engine's decode step.
 
     python benchmarks/decode.py                          # SmolLM2-135M-Instruct, bf16 and fp32, batch 8
-    python benchmarks/decode.py --threads 1 --lora_r 16  # also the engine over a LoRA model, merged and not
+    python benchmarks/decode.py --threads 1 --lora_r 16  # also a LoRA model: the default path and peft
     python benchmarks/decode.py --model tiny --steps 4 --repeats 1 --bandwidth_mib 64   # seconds
     python benchmarks/decode.py --compile               # also the decode loop's step under torch.compile
 
