@@ -163,6 +163,11 @@ def test_bf16_base_adds_the_low_rank_products_itself_and_merges_only_when_asked(
     assert module.engine.merged.merged_mib == pytest.approx(2 * (1024 + 512 + 512 + 4 * 512) * 4 / 2**20)
     _, _, gap = _sample(module, module.engine)
     assert gap < 1e-5, f"low-rank stand-ins vs the learner's peft layers, bf16: {gap:.3g}"
+    with torch.inference_mode():  # predict's mode: tensors without a version counter
+        greedy = GenerationSettings(temperature=0.0, max_new_tokens=8)
+        served = module.engine.generate(PROMPTS, greedy)
+    through_peft = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, merge_adapters=False)
+    assert [g.token_ids for g in served] == [g.token_ids for g in through_peft.generate(PROMPTS, greedy)]
     asked = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, merge_adapters=True)
     calls.count = 0
     asked.generate(PROMPTS, SETTINGS)

@@ -41,6 +41,12 @@ def active_factors(layer: Any) -> list[tuple[Tensor, Tensor, float]]:
     ]
 
 
+def _version(x: Tensor) -> int:
+    # Inference tensors (``torch.inference_mode``, e.g. ``predict``) keep no version counter; nothing
+    # writes a layer's input in place between the layers that read it, so identity stands for them.
+    return 0 if x.is_inference() else x._version
+
+
 class SharedInput:
     """The fp32 product ``x · A_allᵀ`` of a group of layers that may be called with the same input.
 
@@ -61,10 +67,11 @@ class SharedInput:
 
     def product(self, x: Tensor) -> Tensor:
         """``x · A_allᵀ`` in fp32, computed once per input tensor."""
-        if x is not self._input or x._version != self._version:
+        version = _version(x)
+        if x is not self._input or version != self._version:
             assert self.a_all is not None
             self._product = F.linear(x.to(self.a_all.dtype), self.a_all)
-            self._input, self._version = x, x._version
+            self._input, self._version = x, version
         assert self._product is not None
         return self._product
 
