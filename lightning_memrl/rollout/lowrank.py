@@ -97,10 +97,6 @@ class LowRankStandIn(nn.Module):
         self.columns = slice(0, 0)  # this layer's columns of the group's product
         self.scaled_b: Tensor | None = None  # [out, rank] fp32: the active adapters' scaling * B, side by side
 
-    def factors(self) -> list[tuple[Tensor, Tensor, float]]:
-        """The peft layer's active ``(A, B, scaling)``."""
-        return active_factors(self.fallback)
-
     @property
     def held_mib(self) -> float:
         """Memory this layer's copies hold (its ``scaling * B``), in MiB."""
@@ -118,7 +114,7 @@ def refresh_group(group: SharedInput, members: list[LowRankStandIn]) -> None:
     """Rebuild the group's stacked ``A`` and every member's ``scaling * B`` from the current adapter weights."""
     stacked, offset = [], 0
     for member in members:
-        factors = member.factors()
+        factors = active_factors(member.fallback)
         rank = sum(a.shape[0] for a, _, _ in factors)
         member.columns = slice(offset, offset + rank)
         offset += rank

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memrl.rollout.lowrank import LowRankStandIn, SharedInput, group_key, refresh_group
+from lightning_memrl.rollout.lowrank import LowRankStandIn, SharedInput, active_factors, group_key, refresh_group
 from lightning_memrl.rollout.packed import PackedStandIn, packing_available
 
 log = logging.getLogger(__name__)
@@ -265,9 +265,8 @@ def _plain_linear(base: nn.Linear, weight: Tensor) -> nn.Linear:
 def _signature(layer: Any) -> tuple[int, ...]:
     """What a merged weight was computed from: the tensors (identity, storage, in-place version) and scalings."""
     tensors = [layer.base_layer.weight]
-    for name in layer.active_adapters:
-        if name in layer.lora_A:
-            tensors += [layer.lora_A[name].weight, layer.lora_B[name].weight]
+    for a, b, _ in active_factors(layer):
+        tensors += [a, b]
     signature = [id(t) for t in tensors] + [t.data_ptr() for t in tensors] + [t._version for t in tensors]
     return (*signature, hash(tuple(sorted((k, float(v)) for k, v in layer.scaling.items()))))
 
@@ -277,9 +276,7 @@ def _merge_into(layer: Any, out: Tensor) -> None:
     """``out = W + sum over active adapters of scaling * B @ A``, summed in fp32 and rounded once to ``out``'s dtype."""
     base = layer.base_layer.weight
     acc = out.copy_(base) if out.dtype == torch.float32 else base.float()
-    for name in layer.active_adapters:
-        if name in layer.lora_A:
-            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
-            acc.addmm_(b.to(acc.dtype), a.to(acc.dtype), alpha=layer.scaling[name])
+    for a, b, scaling in active_factors(layer):
+        acc.addmm_(b.to(acc.dtype), a.to(acc.dtype), alpha=scaling)
     if acc is not out:
         out.copy_(acc)
