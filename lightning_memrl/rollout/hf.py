@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
+from lightning_memrl.rollout.attention import decode_attention
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.merged import MergedAdapters
 from lightning_memrl.rollout.packed import PackedLinears
@@ -133,6 +134,9 @@ class RolloutEngine(RolloutBackend):
             (faster small-batch products, one extra copy of the weights while sampling; see
             :mod:`lightning_memrl.rollout.packed`). Merged LoRA weights are then held only packed.
             Layers it cannot serve keep their own forward.
+        fold_decode_attention: on CPU in bf16/fp16, a decode step's grouped query heads attend as rows of
+            their key/value head (:mod:`lightning_memrl.rollout.attention`: the same attention, 5-8x
+            faster per call); the model must run ``sdpa``. False: ``sdpa`` as loaded.
     """
 
     def __init__(
@@ -143,8 +147,10 @@ class RolloutEngine(RolloutBackend):
         min_shared_prefix: int = MIN_SHARED_PREFIX,
         merge_adapters: bool | None = None,
         pack_weights: bool = True,
+        fold_decode_attention: bool = True,
     ) -> None:
         self.model = model
+        self.fold_decode_attention = fold_decode_attention
         self.tokenizer = tokenizer
         self.share_prefixes = share_prefixes
         self.min_shared_prefix = min_shared_prefix
@@ -176,8 +182,11 @@ class RolloutEngine(RolloutBackend):
 
     @contextmanager
     def sampling_weights(self) -> Iterator[None]:
-        """Inside: the model samples from merged LoRA weights and packed linear layers, where enabled."""
+        """Inside: the model samples from merged LoRA weights and packed linear layers, where enabled, and
+        with folded decode-step attention."""
         with ExitStack() as stack:
+            if self.fold_decode_attention:
+                stack.enter_context(decode_attention(self.model))
             if self.merged:
                 stack.enter_context(self.merged.swapped())
             if self.packed is not None:
