@@ -15,6 +15,8 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
 * engine: ``RolloutEngine.generate`` (sampling at T=1, log-probs of the sampled tokens, generate's
   per-token work): the time of ``--steps`` + 1 new tokens minus the time of 1 new token (same
   prefill), over the decode forwards counted at the input embedding; median of ``--repeats``.
+* engine unfolded / unpacked: the engine with ``fold_decode_attention: false`` (bf16/fp16 decode
+  attention through ``sdpa`` as loaded) / with ``pack_weights: false``.
 * loop: the decode-loop backend (``DecodeLoopEngine``), timed as the engine, with its static cache and with
   the dynamic one; with ``--compile`` also its ``torch.compile``-d step: the warm-up (the first call's
   time minus the same call's once compiled) and the step after it.
@@ -56,6 +58,7 @@ LABELS = {
     "loop_compile_warmup_s": "compile warm-up, first call (s)",
     "bare_packed_ms": "bare step, oneDNN-packed weights (ms)",
     "engine_unpacked_ms": "our engine, weights not packed (`pack_weights: false`) (ms)",
+    "engine_unfolded_ms": "our engine, decode attention not folded (`fold_decode_attention: false`) (ms)",
     "pack_s": "packing the weights, once per rollout (s)",
     "engine_lora_ms": "engine, LoRA: merged (fp32) or low-rank stand-ins (bf16) (ms)",
     "engine_lora_peft_ms": "engine, LoRA through peft (ms)",
@@ -183,6 +186,8 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
     row["engine_ms"] = engine_decode_ms(RolloutEngine(model, tokenizer), prompts.tolist(), args.steps, args.repeats)
     unpacked = RolloutEngine(model, tokenizer, pack_weights=False)
     row["engine_unpacked_ms"] = engine_decode_ms(unpacked, prompts.tolist(), args.steps, args.repeats)
+    unfolded = RolloutEngine(model, tokenizer, fold_decode_attention=False)
+    row["engine_unfolded_ms"] = engine_decode_ms(unfolded, prompts.tolist(), args.steps, args.repeats)
     row.update(loop_rows(model, tokenizer, prompts.tolist(), args))
     del model
     if args.lora_r:
@@ -198,6 +203,7 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str, bandwidth: float
     row["engine_over_floor"] = row["engine_ms"] / row["floor_ms"]
     row["engine_over_bare"] = row["engine_ms"] / row["bare_ms"]
     row["packed_over_unpacked"] = row["engine_ms"] / row["engine_unpacked_ms"]
+    row["folded_over_unfolded"] = row["engine_ms"] / row["engine_unfolded_ms"]
     row["loop_over_floor"] = row["loop_static_ms"] / row["floor_ms"]
     row["loop_over_engine"] = row["loop_static_ms"] / row["engine_ms"]
     return row

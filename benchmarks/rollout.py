@@ -69,7 +69,8 @@ from lightning_memrl.workflows.base import split_context
 
 SMALL = {"tasks": 2, "group": 4, "chunks": 3, "chunk_tokens": 256, "memory_tokens": 64}
 EPISODE_KEYS = ["tasks", "group", "chunks", "chunk_tokens", "memory_tokens", "answer_tokens", "temperature", "top_p"]
-EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "pack_weights", "backend", "cache", "drop_finished"]
+EPISODE_KEYS += ["top_k", "dtype", "lora_r", "merge_adapters", "pack_weights", "fold_decode_attention", "backend"]
+EPISODE_KEYS += ["cache", "drop_finished"]
 EPISODE_KEYS += ["threads", "seed"]  # with threads and seed: a worker's
 LABELS = {
     "wall_s": "wall time (s)",
@@ -113,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--pack_weights", default="true", choices=["true", "false"], help="ours: linear layers on oneDNN-packed weights"
+    )
+    parser.add_argument(
+        "--fold_decode_attention",
+        default="true",
+        choices=["true", "false"],
+        help="ours: bf16/fp16 decode-step attention with query heads folded into rows (CPU)",
     )
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"], help="decode_loop: its KV cache")
     parser.add_argument("--drop_finished", default="true", choices=["true", "false"], help="decode_loop: drop EOS rows")
@@ -225,7 +232,11 @@ def naive_rollout(model: Any, tokenizer: Any, workflow: Any, tasks: list[Any], s
 def build_engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> RolloutEngine:
     """Ours: ``RolloutEngine`` (``model.generate``) or, with ``--backend decode_loop``, ``DecodeLoopEngine``."""
     merge = {"auto": None, "true": True, "false": False}[args.merge_adapters]
-    common = {"merge_adapters": merge, "pack_weights": args.pack_weights == "true"}
+    common = {
+        "merge_adapters": merge,
+        "pack_weights": args.pack_weights == "true",
+        "fold_decode_attention": args.fold_decode_attention == "true",
+    }
     if args.backend == "generate":
         return RolloutEngine(model, tokenizer, **common)
     options = {"cache": args.cache, "drop_finished": args.drop_finished == "true"}
@@ -319,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.lora_r:
         tag += f"_lora{args.lora_r}" + {"auto": "", "true": "_merged", "false": "_unmerged"}[args.merge_adapters]
     tag += "" if args.pack_weights == "true" else "_unpacked"
+    tag += "" if args.fold_decode_attention == "true" else "_unfolded"
     command = "python benchmarks/rollout.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {
         "command": command.strip(),
