@@ -15,10 +15,10 @@ No ``torch.compile`` option: a compiled decode step (static cache, fixed shapes)
 warm-up and then 1.9 s per decode step against 0.15 s eager (SmolLM2-135M, fp32, 2 CPU threads,
 ``transformers`` 5.24), so it was left out.
 
-Sampling is ``generate``'s: the raw fp32 logits of the last position go through ``transformers``' own
-``RepetitionPenaltyLogitsProcessor`` (padding columns ignored as ``generate`` does), then, when
-sampling, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper``,
-in ``generate``'s order, then softmax and ``torch.multinomial`` (greedy: ``argmax``). The recorded
+Sampling is the default engine's: the raw fp32 logits of the last position go through ``transformers``'
+own ``RepetitionPenaltyLogitsProcessor`` (padding columns ignored as ``generate`` does), then, when
+sampling, :class:`~lightning_memrl.rollout.sampling.CandidateWarper` (``generate``'s temperature,
+top-k, top-p and min-p, in that order), then softmax and ``torch.multinomial`` (greedy: ``argmax``). The recorded
 log-prob of a token is :func:`~lightning_memrl.logprobs.selected_logprobs` of the raw logits under the
 temperature, as the parent records it. Settings the loop does not implement (``generation_kwargs``,
 ``stop_strings``) run that call through ``RolloutEngine.generate`` (counted in :attr:`fallbacks`, and
@@ -33,14 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from transformers import DynamicCache, StaticCache
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from lightning_memrl.errors import ConfigError
 from lightning_memrl.logprobs import selected_logprobs
@@ -53,6 +46,7 @@ from lightning_memrl.rollout.prefix import (
     shared_prefix_groups,
     split_shared_prefixes,
 )
+from lightning_memrl.rollout.sampling import warper
 from lightning_memrl.settings import SAMPLING_ONLY, GenerationSettings
 from lightning_memrl.types import Generation
 
@@ -243,15 +237,8 @@ class _Sampler:
             )
             self.processors.append(self.penalty)
             self.sequences = ids
-        if not self.greedy:
-            if settings.temperature != 1.0:
-                self.processors.append(TemperatureLogitsWarper(settings.temperature))
-            if settings.top_k:
-                self.processors.append(TopKLogitsWarper(top_k=settings.top_k, min_tokens_to_keep=1))
-            if settings.top_p < 1.0:
-                self.processors.append(TopPLogitsWarper(top_p=settings.top_p, min_tokens_to_keep=1))
-            if settings.min_p:
-                self.processors.append(MinPLogitsWarper(min_p=settings.min_p, min_tokens_to_keep=1))
+        if not self.greedy:  # generate's temperature, top-k, top-p and min-p, as the default engine runs them
+            self.processors.append(warper(settings))
 
     def choose(self, logits: Tensor) -> Tensor:
         """Next token [b] from the raw fp32 logits [b, V] (left unchanged)."""

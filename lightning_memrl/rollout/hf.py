@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.generation.logits_process import LogitsProcessorList
 
 from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
@@ -29,6 +30,7 @@ from lightning_memrl.rollout.prefix import (
     shared_prefix_groups,
     split_shared_prefixes,
 )
+from lightning_memrl.rollout.sampling import warper
 from lightning_memrl.settings import SAMPLING_ONLY, GenerationSettings
 from lightning_memrl.types import Generation
 
@@ -251,19 +253,18 @@ class RolloutEngine(RolloutBackend):
             "output_logits": False,  # SampledLogprobs scores each token as it is sampled
             "use_cache": True,
         }
-        if not greedy:
-            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-            if settings.min_p:
-                kwargs["min_p"] = settings.min_p
+        if not greedy:  # generate's own warpers would run before a custom one: temperature comes with ours
+            kwargs.update(temperature=1.0, top_p=1.0, top_k=0, logits_processor=LogitsProcessorList([warper(settings)]))
         else:  # neutral values so a model's generation_config does not warn or sample
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if settings.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = settings.repetition_penalty
         if settings.stop_strings:
             kwargs.update(stop_strings=list(settings.stop_strings), tokenizer=self.tokenizer)
-        kwargs.update(  # checked when parsed: no key of the above (GenerationSettings.generation_kwargs)
-            {k: v for k, v in (settings.generation_kwargs or {}).items() if not (greedy and k in SAMPLING_ONLY)}
-        )
+        extra = {k: v for k, v in (settings.generation_kwargs or {}).items() if not (greedy and k in SAMPLING_ONLY)}
+        if "logits_processor" in extra and "logits_processor" in kwargs:  # the user's after the warpers
+            extra["logits_processor"] = LogitsProcessorList([*kwargs["logits_processor"], *extra["logits_processor"]])
+        kwargs.update(extra)  # checked when parsed: no key of the above (GenerationSettings.generation_kwargs)
         return kwargs
 
     def prompt_limit(self, settings: GenerationSettings, max_new_tokens: int) -> tuple[int | None, str]:

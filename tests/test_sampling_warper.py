@@ -1,0 +1,101 @@
+"""CandidateWarper: generate's temperature, top-k, top-p and min-p on each row's most likely tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from lightning_memrl.models import build_tiny_model
+from lightning_memrl.rollout.hf import RolloutEngine
+from lightning_memrl.rollout.sampling import CandidateWarper
+from lightning_memrl.settings import GenerationSettings
+
+
+def _generates(temperature: float, top_k: int, top_p: float, min_p: float) -> LogitsProcessorList:
+    """generate's own warpers, in generate's order."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(MinPLogitsWarper(min_p))
+    return warpers
+
+
+def test_nucleus_by_hand_growing_past_the_first_candidates() -> None:
+    probs = torch.tensor([[0.5, 0.25, 0.15, 0.06, 0.03, 0.01]])
+    warper = CandidateWarper(1.0, top_p=0.8, candidates=2)  # 2 candidates hold 0.75 < 0.8: look further
+    out = warper(None, probs.log())
+    # mass of the more likely tokens: 0, 0.5, 0.75, 0.9, ...; kept while below 0.8: the first three
+    assert torch.isfinite(out).tolist() == [[True, True, True, False, False, False]]
+    assert torch.allclose(out[0, :3], probs.log()[0, :3])
+    assert torch.equal(torch.isfinite(_generates(1.0, 0, 0.8, 0.0)(None, probs.log())), torch.isfinite(out))
+
+
+def test_min_p_and_top_k_by_hand() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    out = CandidateWarper(0.5, top_k=3, min_p=math.exp(-3.5), candidates=2)(None, logits)
+    # T=0.5: scores 4, 2, 0, -2, -6; top-3 keeps 4, 2, 0; min-p keeps s - 4 >= -3.5: 4 and 2
+    assert out.tolist()[0][:2] == [4.0, 2.0] and torch.isinf(out[0, 2:]).all()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(0.7, 0, 0.95, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 20, 0.95, 0.0), (0.7, 0, 0.95, 0.1), (1.3, 0, 0.999, 0.0)],
+)
+@pytest.mark.parametrize("sharpness", [1.0, 4.0])
+def test_keeps_exactly_what_generates_warpers_keep(temperature, top_k, top_p, min_p, sharpness) -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 500, generator=gen) * sharpness  # flat rows (the nucleus past the candidates) and peaked
+    ours = CandidateWarper(temperature, top_k, top_p, min_p, candidates=16)(None, logits.clone())
+    theirs = _generates(temperature, top_k, top_p, min_p)(None, logits.clone())
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+    assert torch.equal(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
+
+
+def test_a_tied_top_k_boundary_goes_to_generates_warpers() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 1.0, 0.0]])  # the 3rd and 4th tie: generate keeps both
+    warper = CandidateWarper(1.0, top_k=3, top_p=0.99)
+    out = warper(None, logits)
+    assert warper.fallbacks == 1
+    assert torch.equal(out, _generates(1.0, 3, 0.99, 0.0)(None, logits))
+    assert torch.isfinite(out).sum() == 4
+
+
+def test_engine_samples_the_tokens_generates_own_warpers_sample(tiny_tokenizer) -> None:
+    model = build_tiny_model(tiny_tokenizer, seed=0).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)  # peaked next-token distributions, as a trained model's
+    settings = GenerationSettings(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=12)
+    engine = RolloutEngine(model, tiny_tokenizer, share_prefixes=False)
+    kwargs = engine._generate_kwargs(settings, 12)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (1.0, 1.0, 0)
+    assert [type(p) for p in kwargs["logits_processor"]] == [CandidateWarper]
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    torch.manual_seed(11)
+    ours = engine.generate(prompts, settings)
+    ids = torch.tensor(prompts)
+    torch.manual_seed(11)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        max_new_tokens=12,
+        pad_token_id=engine.pad_id,
+        eos_token_id=sorted(engine.eos_ids),
+    )
+    for row, gen in enumerate(ours):
+        assert gen.token_ids == out[row, 4 : 4 + len(gen.token_ids)].tolist()
