@@ -99,3 +99,15 @@ def test_engine_samples_the_tokens_generates_own_warpers_sample(tiny_tokenizer) 
     )
     for row, gen in enumerate(ours):
         assert gen.token_ids == out[row, 4 : 4 + len(gen.token_ids)].tolist()
+
+
+def test_a_users_logits_processor_runs_after_the_warper(tiny_tokenizer) -> None:
+    class Mine:
+        def __call__(self, input_ids, scores):
+            return scores
+
+    mine = Mine()
+    settings = GenerationSettings(temperature=0.7, top_p=0.9, generation_kwargs={"logits_processor": [mine]})
+    engine = RolloutEngine(build_tiny_model(tiny_tokenizer, seed=0), tiny_tokenizer)
+    processors = engine._generate_kwargs(settings, 4)["logits_processor"]
+    assert [type(p) for p in processors] == [CandidateWarper, Mine] and processors[1] is mine
