@@ -66,7 +66,7 @@ def folded_decode_attention(
 
 
 def _folds(query: Tensor, groups: int, mask: Tensor | None, dropout: float, kwargs: dict[str, Any]) -> bool:
-    """Whether a call is a decode step the folded product serves exactly."""
+    """Whether a call is a decode step the folded product serves (one query per row, one mask for all heads)."""
     if query.shape[2] != 1 or groups <= 1 or query.device.type != "cpu" or query.dtype not in _LOW_PRECISION:
         return False
     if dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
