@@ -315,7 +315,7 @@ def epoch_backward(
         prompts, ids, m = _rows(rollouts, idx)
         width = ids.shape[1]
         logprobs, entropy = module.sequence_logprobs(module.policy, prompts, ids, m, with_entropy=True)
-        allocator.trim()  # the logits chunks' temporaries, freed, before the loss and backward allocate
+        allocator.trim(micro_batch=True)  # the logits chunks' temporaries, before the loss and backward allocate
         m_dev = m.to(module.device).bool()
         old = old_lp[b] if module.grpo.ppo_epochs > 1 else logprobs.detach()
         if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
@@ -334,7 +334,7 @@ def epoch_backward(
         if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
             loss, stats = loss * 0.0, {}
         module.manual_backward(loss)
-        allocator.trim()  # the freed activations back to the system: RSS follows what is live
+        allocator.trim(micro_batch=True)  # the freed activations back to the system: RSS follows what is live
         epoch_loss += float(loss.detach())
         for key, value in stats.items():
             sums[key] = sums.get(key, 0.0) + float(value)

@@ -59,3 +59,15 @@ def test_trim_does_nothing_when_the_user_chose(monkeypatch: pytest.MonkeyPatch) 
     allocator.trim()
     assert libc.trims == [0]
     allocator._enabled.cache_clear()
+
+
+def test_phases_only_skips_the_micro_batch_trims(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = FakeLibc()
+    monkeypatch.setenv("LIGHTNING_MEMRL_MALLOC", "phases")
+    allocator.trim(libc, micro_batch=True)
+    assert libc.trims == []
+    allocator.trim(libc)  # between phases: still trimmed
+    assert libc.trims == [0]
+    monkeypatch.delenv("LIGHTNING_MEMRL_MALLOC")
+    allocator.trim(libc, micro_batch=True)
+    assert libc.trims == [0, 0]
