@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
+from lightning_memrl.errors import ConfigError
+
 OPT_OUT = "LIGHTNING_MEMRL_MALLOC"  # "glibc": leave the allocator as glibc runs it; "phases": no micro-batch trims
 PHASES_ONLY = "phases"
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
@@ -49,6 +51,16 @@ def glibc() -> Any | None:
         return libc if hasattr(libc, "malloc_trim") else None
     except (OSError, AttributeError):
         return None
+
+
+def check_setting(environ: Mapping[str, str]) -> None:
+    """Raise a ConfigError for a ``LIGHTNING_MEMRL_MALLOC`` value other than ``glibc`` or ``phases``."""
+    value = environ.get(OPT_OUT, "")
+    if value and value.lower() not in ("glibc", PHASES_ONLY):
+        raise ConfigError(
+            f"environment variable {OPT_OUT}={value!r}: use 'glibc' (no trimming), 'phases' (trim between phases "
+            "only) or leave it unset (trim between phases and micro-batches)"
+        )
 
 
 def user_choice(environ: Mapping[str, str]) -> str | None:

@@ -13,6 +13,7 @@ of the policy loss, gradient clipping, optimizer and LR-scheduler steps → (h) 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -119,6 +120,7 @@ class MemRLModule(L.LightningModule):
         self.generation = generation or GenerationSettings()
         self.val_max_new_tokens = val_max_new_tokens
         check_answer_pattern(answer_pattern, "model.init_args.answer_pattern")
+        allocator.check_setting(os.environ)
         self.answer_pattern = answer_pattern
         self.share_prefixes = share_prefixes
         self.rollout_factory = rollout or partial(RolloutEngine, share_prefixes=share_prefixes)

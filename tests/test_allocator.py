@@ -6,6 +6,7 @@ import pytest
 
 from lightning_memrl import allocator
 from lightning_memrl.allocator import user_choice
+from lightning_memrl.errors import ConfigError
 
 
 class FakeLibc:
@@ -71,3 +72,10 @@ def test_phases_only_skips_the_micro_batch_trims(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("LIGHTNING_MEMRL_MALLOC")
     allocator.trim(libc, micro_batch=True)
     assert libc.trims == [0, 0]
+
+
+def test_an_unknown_setting_stops_naming_the_variable() -> None:
+    allocator.check_setting({"LIGHTNING_MEMRL_MALLOC": "Phases"})
+    allocator.check_setting({})
+    with pytest.raises(ConfigError, match="LIGHTNING_MEMRL_MALLOC='phase'.*'glibc'.*'phases'"):
+        allocator.check_setting({"LIGHTNING_MEMRL_MALLOC": "phase"})
