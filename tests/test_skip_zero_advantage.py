@@ -148,9 +148,9 @@ def test_the_update_hands_freed_memory_back_after_each_pass(rollouts, monkeypatc
     """``allocator.trim`` runs after the old/reference log-probs and after each micro-batch's forward and backward."""
     from lightning_memrl import allocator
 
-    trims = []
-    monkeypatch.setattr(allocator, "trim", lambda: trims.append(1))
+    trims = []  # micro_batch flag of each trim (LIGHTNING_MEMRL_MALLOC=phases skips the True ones)
+    monkeypatch.setattr(allocator, "trim", lambda micro_batch=False: trims.append(micro_batch))
     _, calls, stats = _grads(rollouts, [1.0, 0.0, 1.0, 0.0], micro_batch_tokens=64)
     passes = int(stats["micro_batches"])
     assert passes >= 2 and len(calls) == passes
-    assert len(trims) == 1 + 2 * passes
+    assert trims == [False] + [True] * (2 * passes)
