@@ -35,7 +35,7 @@ from typing import Any
 from lightning_memrl.errors import ConfigError
 
 OPT_OUT = "LIGHTNING_MEMRL_MALLOC"  # "glibc": leave the allocator as glibc runs it; "phases": no micro-batch trims
-PHASES_ONLY = "phases"
+KEEP_GLIBC, PHASES_ONLY = "glibc", "phases"
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
@@ -56,7 +56,7 @@ def glibc() -> Any | None:
 def check_setting(environ: Mapping[str, str]) -> None:
     """Raise a ConfigError for a ``LIGHTNING_MEMRL_MALLOC`` value other than ``glibc`` or ``phases``."""
     value = environ.get(OPT_OUT, "")
-    if value and value.lower() not in ("glibc", PHASES_ONLY):
+    if value and value.lower() not in (KEEP_GLIBC, PHASES_ONLY):
         raise ConfigError(
             f"environment variable {OPT_OUT}={value!r}: use 'glibc' (no trimming), 'phases' (trim between phases "
             "only) or leave it unset (trim between phases and micro-batches)"
@@ -65,8 +65,8 @@ def check_setting(environ: Mapping[str, str]) -> None:
 
 def user_choice(environ: Mapping[str, str]) -> str | None:
     """The user's own allocator setting that :func:`trim` leaves alone, in words (None: none)."""
-    if environ.get(OPT_OUT, "").lower() == "glibc":
-        return f"{OPT_OUT}=glibc"
+    if environ.get(OPT_OUT, "").lower() == KEEP_GLIBC:
+        return f"{OPT_OUT}={KEEP_GLIBC}"
     for name in USER_SETTINGS:
         if environ.get(name):
             return f"{name}={environ[name]}"

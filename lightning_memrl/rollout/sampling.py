@@ -6,9 +6,9 @@ rollout (``torch.profiler``: 2.5 s of ``aten::sort`` in a 21 s rollout). The nuc
 model's next-token distribution holds few tokens, so :class:`CandidateWarper` takes the ``candidates``
 largest scores of each row (``topk``) and computes the nucleus among them: 2.3-3.0 ms on such rows.
 When the candidates hold less than ``top_p`` of a row's probability (a flat row, e.g. an untrained
-model's), it sorts the whole rows instead (then it costs about 1.3x the sort: 20-24 ms). The sums
-near ``top_p`` are taken in float64, so the kept set is the exact one where fp32 summation from the
-top would not be (the sorted warper sums from the bottom, also accurately).
+model's), it sorts the whole rows instead (then it costs 1.2-1.5x the sort: 20-24 ms). The
+normaliser and the sums near ``top_p`` are taken in float64: with either in fp32 the kept set differed
+from the exact one at ``top_p=0.999`` (the sorted warper sums from the bottom, which is accurate).
 
 What it keeps is what ``generate``'s warpers keep, in their order (temperature, top-k, top-p,
 min-p), with ``min_tokens_to_keep=1``:
