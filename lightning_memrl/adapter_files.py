@@ -2,8 +2,9 @@
 
 A LoRA run trains the adapters only; its frozen base is whatever ``model_name_or_path`` (and, for
 ``tiny``, ``seed``) loads, which the checkpoint's hyper-parameters already name. So a LoRA
-checkpoint keeps the trainable tensors and leaves the base out (:func:`drop_frozen_base`), and the
-adapter of the frozen agents (``lora.frozen_adapter_name_or_path``, re-loaded from its path); loading
+checkpoint keeps the trainable tensors and leaves out the base (:func:`drop_frozen_base`) and the
+adapters of the frozen agents and of the KL reference (``lora.frozen_adapter_name_or_path``,
+``lora.reference_adapter_name_or_path``, re-loaded from their paths); loading
 it (resume, ``validate``/``test``/``predict`` with ``--ckpt_path``, ``export``) puts the freshly
 loaded base tensors back in before the strict ``load_state_dict`` (:func:`restore_frozen_base`),
 after checking that the base loaded now is the one the run trained on. Sharded runs (FSDP,
@@ -30,7 +31,13 @@ log = logging.getLogger(__name__)
 KEY = "memrl_adapter_only"  # the checkpoint entry: base model, the keys left out, the base's fingerprint
 PREFIX = "policy."  # the policy's keys in the module's state dict
 ADAPTER_CONFIG = "adapter_config.json"
-FROZEN_ADAPTER_PART = ".frozen."  # in the keys of the adapter lora.frozen_adapter_name_or_path loads (not saved)
+# in the keys of the adapters lora.frozen_adapter_name_or_path and lora.reference_adapter_name_or_path load:
+# never trained, re-loaded from their paths, so not saved
+FIXED_ADAPTER_PARTS = (".frozen.", ".reference.")
+
+
+def _is_fixed_adapter(key: str) -> bool:
+    return any(part in key for part in FIXED_ADAPTER_PARTS)
 
 
 def _is_sharded(trainer: Any) -> bool:
@@ -66,7 +73,7 @@ def drop_frozen_base(module: Any, checkpoint: dict[str, Any]) -> None:
         return
     state = checkpoint["state_dict"]
     trainable = {PREFIX + n for n, p in module.policy.named_parameters(remove_duplicate=False) if p.requires_grad}
-    for key in [k for k in state if FROZEN_ADAPTER_PART in k]:  # lora.frozen_adapter_name_or_path: re-loaded
+    for key in [k for k in state if _is_fixed_adapter(k)]:  # re-loaded from their paths
         del state[key]
     dropped = [k for k in state if k.startswith(PREFIX) and k not in trainable]
     checkpoint[KEY] = {
@@ -114,7 +121,7 @@ def restore_frozen_base(checkpoint: dict[str, Any], module: torch.nn.Module, sou
     state = checkpoint["state_dict"]
     for key in keys:
         state[key] = live_state[key]
-    for key in [k for k in live_state if FROZEN_ADAPTER_PART in k]:  # the frozen agents' adapter, loaded from its path
+    for key in [k for k in live_state if _is_fixed_adapter(k)]:  # frozen agents' / reference adapter, from their paths
         state[key] = live_state[key]
 
 

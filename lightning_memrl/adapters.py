@@ -25,9 +25,10 @@ ALIASES = {"alpha": ("lora_alpha", 32), "dropout": ("lora_dropout", 0.0)}  # our
 
 @dataclass
 class LoraSettings:
-    """LoRA adapters (peft's ``LoraConfig``; every name but ``adapter_name_or_path`` is peft's).
+    """LoRA adapters (peft's ``LoraConfig``; every name but the ``*_adapter_name_or_path`` ones is peft's).
 
-    With LoRA the reference model is the base with adapters disabled.
+    With LoRA the reference model is the base with adapters disabled, or the saved adapter
+    ``reference_adapter_name_or_path``.
 
     Args:
         r: adapter rank.
@@ -55,7 +56,11 @@ class LoraSettings:
         frozen_adapter_name_or_path: a saved peft LoRA adapter that a workflow's frozen agents generate
             with (loaded next to the trained adapter, never trained, e.g. the trained memory manager
             while Memory-R1's answer agent trains); None: they use the base with adapters disabled.
-            The KL term's reference stays the base.
+        reference_adapter_name_or_path: a saved peft LoRA adapter whose model is the KL term's reference
+            (loaded next to the trained adapter, never trained), e.g. the SFT adapter that
+            ``adapter_name_or_path`` continues from, so that ``grpo.kl_coef`` keeps the policy near the warm
+            start rather than pulling it back to the base. None: the base with adapters disabled. Not
+            loaded (a warning says so) when ``grpo.kl_coef`` is 0.
         alpha: former name of ``lora_alpha`` (give one of the two).
         dropout: former name of ``lora_dropout`` (give one of the two).
     """
@@ -72,6 +77,7 @@ class LoraSettings:
     layers_to_transform: list[int] | int | None = None
     adapter_name_or_path: str | None = None
     frozen_adapter_name_or_path: str | None = None
+    reference_adapter_name_or_path: str | None = None
     alpha: int | float | None = None
     dropout: float | None = None
 

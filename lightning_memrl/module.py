@@ -35,7 +35,7 @@ from lightning_memrl.predict import check_predict_workflow, predict_rows, predic
 from lightning_memrl.resume import ExactResume
 from lightning_memrl.rewards import ExactMatch, RewardFunction, check_answer_pattern
 from lightning_memrl.rollout.base import RolloutBackend, RolloutBackendFactory, check_backend
-from lightning_memrl.rollout.frozen import FrozenRolloutEngine, adapter_engine
+from lightning_memrl.rollout.frozen import FrozenRolloutEngine, adapter_engine, load_reference_adapter, lora_reference
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.rollout.mode import generation_mode
 from lightning_memrl.settings import GenerationSettings, GRPOSettings, OptimizerSettings, build_optimizer
@@ -166,6 +166,8 @@ class MemRLModule(L.LightningModule):
         needs_frozen = self.workflow.needs_frozen_model()
         if self.lora is not None and (self.grpo.kl_coef > 0 or needs_frozen):
             check_base_reference(self.policy, "grpo.kl_coef > 0" if self.grpo.kl_coef > 0 else "frozen agents")
+        if self.lora is not None:
+            load_reference_adapter(self.policy, self.lora, self.grpo.kl_coef)
         if (self.grpo.kl_coef > 0 or needs_frozen) and self.lora is None:
             reference = self._load_model(mesh, reference=True)
             reference.eval().requires_grad_(False)
@@ -220,8 +222,9 @@ class MemRLModule(L.LightningModule):
         )
 
     def reference_context(self) -> Any:
-        """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off)."""
-        return self.policy.disable_adapter() if self.lora is not None else nullcontext()
+        """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off, or only
+        ``lora.reference_adapter_name_or_path`` on)."""
+        return lora_reference(self.policy) if self.lora is not None else nullcontext()
 
     def on_train_start(self) -> None:
         """Hand the rollout backend the policy's weights as training (or validation, testing) starts:

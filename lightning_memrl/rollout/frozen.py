@@ -9,11 +9,12 @@ every optimizer step (and the reward it gives with it). :class:`FrozenRolloutEng
 weights, or the LoRA policy with its adapters disabled around every ``generate``, or (with
 ``lora.frozen_adapter_name_or_path``) the LoRA policy with a saved adapter of its own switched on
 around every ``generate`` (:func:`adapter_engine`: e.g. the trained memory manager while the answer
-agent trains).
+agent trains). :func:`load_reference_adapter` loads the KL term's fixed adapter the same way.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -23,7 +24,10 @@ from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import Generation
 
+log = logging.getLogger(__name__)
+
 FROZEN_ADAPTER = "frozen"  # peft name of the adapter lora.frozen_adapter_name_or_path loads (adapter_files matches it)
+REFERENCE_ADAPTER = "reference"  # peft name of the adapter lora.reference_adapter_name_or_path loads (likewise)
 
 
 class FrozenRolloutEngine(RolloutEngine):
@@ -77,6 +81,47 @@ def adapter_switched_on(policy: Any, name: str) -> Iterator[None]:
             param.requires_grad_(flag)
 
 
+def load_fixed_adapter(policy: Any, path: str, name: str, option: str) -> None:
+    """Load the saved LoRA adapter at ``path`` into the peft ``policy`` as adapter ``name``, never trained
+    (kept out of checkpoints: it is re-loaded from its path); nothing happens when ``name`` is loaded.
+
+    Raises:
+        FileNotFoundError: no LoRA adapter at ``path`` (the message names the lora ``option``).
+    """
+    if name in policy.peft_config:
+        return
+    adapter_config(path, option)  # one clear error when there is none
+    policy.load_adapter(path, adapter_name=name, is_trainable=False)
+    for param_name, param in policy.named_parameters():
+        if f".{name}." in param_name:
+            param.requires_grad_(False)
+
+
+def load_reference_adapter(policy: Any, lora: Any, kl_coef: float) -> None:
+    """Load ``lora.reference_adapter_name_or_path`` (if set) into the peft ``policy`` as
+    :data:`REFERENCE_ADAPTER`, the KL term's reference; with ``kl_coef`` 0 nothing uses it: a warning, no load."""
+    path = getattr(lora, "reference_adapter_name_or_path", None)
+    if path is None:
+        return
+    if kl_coef <= 0:
+        log.warning(
+            "model.init_args.lora.reference_adapter_name_or_path=%r is not loaded: grpo.kl_coef is 0, so no KL "
+            "term uses a reference (set grpo.kl_coef > 0, or leave the option out)",
+            path,
+        )
+        return
+    load_fixed_adapter(policy, path, REFERENCE_ADAPTER, "reference_adapter_name_or_path")
+    log.info("KL reference: the LoRA adapter %s (fixed) on the base model", path)
+
+
+def lora_reference(policy: Any) -> AbstractContextManager[Any]:
+    """The context in which the LoRA ``policy`` computes as the KL reference: only
+    :data:`REFERENCE_ADAPTER` on when it is loaded, else every adapter disabled (the base)."""
+    if REFERENCE_ADAPTER in policy.peft_config:
+        return adapter_switched_on(policy, REFERENCE_ADAPTER)
+    return policy.disable_adapter()
+
+
 def adapter_engine(policy: Any, tokenizer: Any, path: str, share_prefixes: bool = True) -> FrozenRolloutEngine:
     """A frozen engine over the LoRA ``policy`` with the saved adapter at ``path`` loaded next to its
     trained one (as :data:`FROZEN_ADAPTER`, never trained) and switched on around every ``generate``.
@@ -90,12 +135,7 @@ def adapter_engine(policy: Any, tokenizer: Any, path: str, share_prefixes: bool 
     Raises:
         FileNotFoundError: no LoRA adapter at ``path`` (the message names the option).
     """
-    if FROZEN_ADAPTER not in policy.peft_config:
-        adapter_config(path, "frozen_adapter_name_or_path")  # one clear error when there is none
-        policy.load_adapter(path, adapter_name=FROZEN_ADAPTER, is_trainable=False)
-        for name, param in policy.named_parameters():
-            if f".{FROZEN_ADAPTER}." in name:
-                param.requires_grad_(False)
+    load_fixed_adapter(policy, path, FROZEN_ADAPTER, "frozen_adapter_name_or_path")
     return FrozenRolloutEngine(
         policy,
         tokenizer,
