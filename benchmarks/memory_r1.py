@@ -12,6 +12,9 @@ Every stage is one ``lightning-memrl fit`` (a subprocess; ``--in_process`` runs 
 - ``grpo_answerer``: ``stage: answerer``, training the ``sft`` adapter further as the answer agent, with the
   ``grpo_manager`` adapter as the frozen extractor and manager; exported too.
 
+With ``--kl_coef`` > 0 both GRPO stages add the KL term against the ``sft`` adapter
+(``lora.reference_adapter_name_or_path``), not against the base model.
+
 Each arm is evaluated by ``lightning-memrl validate`` with ``stage: answerer`` (the extractor and manager
 generate with the frozen adapter, the answer agent with the policy's) on the held-apart conversation:
 
@@ -100,6 +103,10 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--questions_per_step", type=int, default=1, help="GRPO questions per step (x group_size)")
     p.add_argument("--group_size", type=int, default=None, help="GRPO rollouts per question (default: the config's)")
     p.add_argument(
+        "--kl_coef", type=float, default=0.0,
+        help="grpo.kl_coef of both GRPO stages, taken against the SFT adapter (lora.reference_adapter_name_or_path)",
+    )  # fmt: skip
+    p.add_argument(
         "--reward", choices=list(REWARDS), default="exact_match",
         help="reward of both GRPO stages: exact_match (Memory-R1's) or f1 (token F1, partial credit)",
     )  # fmt: skip
@@ -169,6 +176,8 @@ def stage_commands(args: argparse.Namespace, stage: str, extra: list[str]) -> li
         "fit", *_grpo_args(args, root, role, sft, frozen), *extra,
         f"{P}rewards", json.dumps(REWARDS[args.reward]),
         *([f"{P}grpo.group_size", str(args.group_size)] if args.group_size else []),
+        *([f"{P}grpo.kl_coef", str(args.kl_coef), f"{P}lora.reference_adapter_name_or_path", str(sft)]
+          if args.kl_coef > 0 else []),
         "--trainer.max_steps", str(args.grpo_manager_steps if role == "manager" else args.grpo_answerer_steps),
         "--trainer.limit_val_batches", "0",  # every arm is evaluated apart, by validate
     ]  # fmt: skip
@@ -322,6 +331,8 @@ def caps(args: argparse.Namespace) -> dict[str, Any]:
         "grpo_questions_per_step": args.questions_per_step,
         "grpo_group_size": args.group_size or "configs/shared/locomo_grpo.yaml (2)",
         "grpo_reward": args.reward,
+        "grpo_kl_coef": args.kl_coef,
+        "grpo_kl_reference": "the sft adapter" if args.kl_coef > 0 else None,
     }
 
 

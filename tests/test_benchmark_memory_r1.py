@@ -21,7 +21,7 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
         "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",
         "--model", "tiny", "--dtype", "float32", "--max_sessions", "1",
         "--sft_steps", "1", "--grpo_manager_steps", "1", "--grpo_answerer_steps", "1",
-        "--reward", "f1", "--group_size", "3", "--val_questions", "1",
+        "--reward", "f1", "--group_size", "3", "--val_questions", "1", "--kl_coef", "0.05",
         "--out", str(out), "--work", str(work), "--in_process",
         "--model.init_args.generation.max_new_tokens=8",
         "--model.init_args.workflow.init_args.extract_max_tokens=24",
@@ -51,8 +51,10 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
     assert "lora.adapter_name_or_path work/sft/adapter" in fit and "locomo_path $LOCOMO " in fit
     assert "--config configs/memory_r1/locomo.yaml " in fit
     assert "lightning_memrl.rewards.TokenF1" in fit and "--model.init_args.grpo.group_size 3" in fit
+    assert "grpo.kl_coef 0.05 --model.init_args.lora.reference_adapter_name_or_path work/sft/adapter" in fit
     rows = (work / "grpo_answerer" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     assert "train/reward/f1" in rows[0]  # the stage trained on the F1 reward
+    assert "train/kl" in rows[0]  # with a KL term, against the SFT adapter
     assert "lora.frozen_adapter_name_or_path work/grpo_manager/adapter" in full["eval_command"]
     assert "lora.adapter_name_or_path work/grpo_answerer/adapter" in full["eval_command"]
     calls = []
