@@ -22,7 +22,9 @@ same rule away from the generator, so learning rates and step counts can be trie
 4. Reported per fold: Recall@``top_m`` of the evidence turns among the sources of the ``top_m`` memories
    the reranker keeps without noise, trained against identity (the gain), and the same gain on the
    training questions themselves (whether the rule fits what it trains on); per conversation, the
-   identity's Recall@``top_m`` and the first stage's Recall@``top_k`` (the most any reranking reaches).
+   identity's Recall@``top_m``, the first stage's Recall@``top_m`` in its own order (no reranking) and
+   its Recall@``top_k`` (the most any reranking reaches). ``--first_stage_feature`` trains the reranker
+   with a learned weight on the first-stage scores (not RMM; see ``Reranker``).
 
 Only the conversations named are read, so the held-apart one of ``benchmarks/rmm.py`` stays unseen while
 tuning. Results: ``benchmarks/results/rmm_reranker_offline[_<tag>].json``.
@@ -67,6 +69,7 @@ class Question(NamedTuple):
     memories: Tensor  # [K, D]
     sources: list[list[str]]  # source dia_ids of each candidate
     evidence: list[str]  # the question's evidence dia_ids
+    first_stage: Tensor  # [K] the candidates' first-stage scores, best first
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,6 +94,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--objective", choices=["reinforce", "supervised"], default="reinforce",
         help="reinforce: the workflow's rule on evidence rewards; supervised: cross-entropy on the evidence labels "
         "(a bound on what the adapters can learn from these questions, not RMM)",
+    )  # fmt: skip
+    p.add_argument(
+        "--first_stage_feature", action="store_true",
+        help="the reranker also learns a weight on the standardised first-stage score (not RMM; starts at 0)",
     )  # fmt: skip
     p.add_argument("--baseline_momentum", type=float, default=0.9, help="running-mean factor of the baseline")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -180,13 +187,15 @@ def questions_of(workflow: RMMWorkflow, bank: MemoryBank, tasks: list[Any], skip
     out = []
     for task in tasks:
         evidence = task.meta.get("evidence") or []
-        candidates = [e for e, _ in bank.retrieve(task.question, workflow.top_k, workflow.min_retrieval_score)]
+        retrieved = bank.retrieve(task.question, workflow.top_k, workflow.min_retrieval_score)
+        candidates = [e for e, _ in retrieved]
         if not evidence or not candidates:
             skipped["no evidence" if not evidence else "no candidate"] += 1
             continue
         query = workflow.embedder.embed([task.question])[0]  # [D]
         memories = workflow.embedder.embed([e.text for e in candidates])  # [K, D]
-        out.append(Question(query, memories, [list(e.source_ids) for e in candidates], evidence))
+        first_stage = torch.tensor([score for _, score in retrieved])  # [K]
+        out.append(Question(query, memories, [list(e.source_ids) for e in candidates], evidence, first_stage))
     return out
 
 
@@ -195,9 +204,16 @@ def recall_at_m(reranker: Reranker, questions: list[Question], top_m: int) -> fl
     values = []
     with torch.no_grad():
         for q in questions:
-            kept = torch.topk(reranker(q.query, q.memories), min(top_m, len(q.sources))).indices.tolist()
+            kept = torch.topk(reranker(q.query, q.memories, q.first_stage), min(top_m, len(q.sources))).indices.tolist()
             values.append(evidence_recall({s for i in kept for s in q.sources[i]}, q.evidence))
     return statistics.fmean(values)
+
+
+def first_stage_recall(questions: list[Question], top_m: int) -> float:
+    """Mean Recall@``top_m`` of the first stage's own best ``top_m`` (no reranking: plain BM25 / dense)."""
+    return statistics.fmean(
+        evidence_recall({s for sources in q.sources[:top_m] for s in sources}, q.evidence) for q in questions
+    )
 
 
 def reinforce_step_loss(reranker: Reranker, batch: list[Question], args: argparse.Namespace, baseline: float):
@@ -205,7 +221,7 @@ def reinforce_step_loss(reranker: Reranker, batch: list[Question], args: argpars
     losses, rewards = [], []
     for q in batch:
         for _ in range(args.group_size):
-            scores = reranker(q.query, q.memories)  # [K]
+            scores = reranker(q.query, q.memories, q.first_stage)  # [K]
             chosen = gumbel_top_m(scores, args.top_m, args.temperature)  # [M]
             reward = evidence_rewards([q.sources[i] for i in chosen.tolist()], q.evidence)  # [M]
             losses.append(reinforce_loss(selection_log_probs(scores, chosen, args.temperature), reward, baseline))
@@ -220,7 +236,9 @@ def supervised_step_loss(reranker: Reranker, batch: list[Question], args: argpar
     for q in batch:
         labels = torch.tensor([1.0 if set(q.evidence) & set(s) else 0.0 for s in q.sources])  # [K]
         if labels.sum() > 0:  # no candidate holds evidence: nothing to pull up
-            log_probs = torch.log_softmax(reranker(q.query, q.memories) / args.temperature, dim=-1)  # [K]
+            log_probs = torch.log_softmax(
+                reranker(q.query, q.memories, q.first_stage) / args.temperature, dim=-1
+            )  # [K]
             losses.append(-(log_probs * labels).sum() / labels.sum())
     return torch.stack(losses).mean() if losses else torch.zeros((), requires_grad=True)
 
@@ -228,7 +246,7 @@ def supervised_step_loss(reranker: Reranker, batch: list[Question], args: argpar
 def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, args: argparse.Namespace) -> Reranker:
     """A fresh reranker after ``steps`` steps of ``--objective`` (REINFORCE: as the workflow trains it online)."""
     torch.manual_seed(seed)
-    reranker = Reranker(questions[0].query.numel())
+    reranker = Reranker(questions[0].query.numel(), args.first_stage_feature)
     optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=0.0)
     baseline, order = 0.0, []
     for _ in range(steps):
@@ -251,6 +269,9 @@ def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dic
     Recall@M and the first stage's Recall@K (what any reranker of the K candidates can reach)."""
     identity = {c: recall_at_m(Reranker(qs[0].query.numel()), qs, args.top_m) for c, qs in data.items()}
     ceiling = {c: recall_at_m(Reranker(qs[0].query.numel()), qs, args.top_k) for c, qs in data.items()}
+    in_order = {c: first_stage_recall(qs, args.top_m) for c, qs in data.items()}
+    print(f"Recall@{args.top_m} of the first stage's own order: ", end="")
+    print(", ".join(f"{c} {100 * in_order[c]:.1f}" for c in data))
     print(f"Recall@{args.top_m} of the identity (and of all top {args.top_k} candidates): ", end="")
     print(", ".join(f"{c} {100 * identity[c]:.1f} ({100 * ceiling[c]:.1f})" for c in data))
     rows = []
@@ -278,7 +299,7 @@ def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dic
                 flush=True,
             )
             rows.append(row)
-    return [{"identity_recall": identity, "first_stage_recall": ceiling}, *rows]
+    return [{"identity_recall": identity, "first_stage_recall": ceiling, "first_stage_order_recall": in_order}, *rows]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

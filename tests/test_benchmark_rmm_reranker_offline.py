@@ -85,7 +85,23 @@ def test_keeping_every_candidate_recalls_all_evidence(bench, tmp_path):
     _write_banks(bench, tmp_path / "banks.json")
     result = bench.main(_argv(tmp_path, "--top_m", "4", "--lrs", "0.5", "--steps", "2", "--seeds", "0"))
     assert result["identity_recall"] == {"conv-a": 1.0, "conv-b": 1.0}
+    assert result["first_stage_order_recall"] == {"conv-a": 1.0, "conv-b": 1.0}
     assert result["runs"][0]["gains"] == {"conv-a": [0.0], "conv-b": [0.0]}  # nothing left to reorder
+
+
+def test_first_stage_feature_starts_as_the_identity_and_its_order_recall_is_the_first_stages(bench, tmp_path):
+    _write_banks(bench, tmp_path / "banks.json")
+    argv = _argv(tmp_path, "--top_m", "1", "--lrs", "0", "--steps", "3", "--seeds", "0", "--first_stage_feature")
+    result = bench.main(argv)
+    assert result["runs"][0]["gains"] == {"conv-a": [0.0], "conv-b": [0.0]}  # w and the adapters start at 0
+    bank = MemoryBank()  # the first stage (BM25) over the fixture's memories, in its own order
+    for text, sources in FACTS:
+        bank.add(text, "session_1", "", sources)
+    workflow = bench.workflow_of(bench._args(argv))
+    questions = bench.questions_of(workflow, bank, bench.load_tasks(bench._args(argv))["conv-a"], {})
+    top = [set(q.sources[0]) for q in questions]
+    expected = sum(len(t & set(q.evidence)) / len(q.evidence) for t, q in zip(top, questions)) / len(questions)
+    assert result["first_stage_order_recall"]["conv-a"] == pytest.approx(expected)
 
 
 def test_banks_are_built_with_the_model_and_an_empty_bank_stops_with_a_message(bench, tmp_path, capsys):

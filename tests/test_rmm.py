@@ -21,6 +21,7 @@ from lightning_memrl.workflows.rmm import (
     reinforce_loss,
     selection_log_probs,
 )
+from lightning_memrl.workflows.rmm_reranker import standardised
 
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=16)
@@ -74,6 +75,31 @@ def test_reranker_starts_as_dot_product_and_the_update_follows_the_citations():
     only_cited.backward()
     optimizer.step()
     assert torch.softmax(reranker(query, memories).detach() / 0.5, -1)[0] > p_after[0]  # a cited memory alone: up
+
+
+def test_first_stage_feature_starts_as_identity_and_adds_the_weighted_standardised_score():
+    torch.manual_seed(0)
+    query, memories = torch.randn(4), torch.randn(3, 4)  # [D], [K, D]
+    bm25 = torch.tensor([3.0, 1.0, 2.0])  # [K] first-stage scores
+    reranker = Reranker(4, first_stage_feature=True)
+    torch.testing.assert_close(reranker(query, memories, bm25), memories @ query)  # w = 0: the identity
+    with torch.no_grad():
+        reranker.first_stage_weight.fill_(0.5)
+    z = torch.tensor([1.0, -1.0, 0.0]) * (1.5**0.5)  # (x - 2) / sqrt(2/3), by hand
+    torch.testing.assert_close(reranker(query, memories, bm25), memories @ query + 0.5 * z)
+    torch.testing.assert_close(standardised(torch.tensor([2.0, 2.0])), torch.zeros(2))  # equal scores: no signal
+    with pytest.raises(ValueError, match="needs the candidates' first-stage scores"):
+        reranker(query, memories)
+
+
+def test_the_first_stage_weight_rises_when_the_first_stage_order_is_rewarded():
+    torch.manual_seed(0)
+    reranker = Reranker(4, first_stage_feature=True)
+    query, memories, bm25 = torch.randn(4), torch.randn(3, 4), torch.tensor([3.0, 1.0, 2.0])
+    scores = reranker(query, memories, bm25)
+    chosen = torch.tensor([0, 1])  # the first stage's best (0) was right, its worst (1) was not
+    reinforce_loss(selection_log_probs(scores, chosen, 0.5), torch.tensor([1.0, -1.0]), 0.0).backward()
+    assert float(reranker.first_stage_weight.grad) < 0  # descending the loss raises w
 
 
 def test_reinforce_loss_sign():
@@ -159,6 +185,23 @@ def test_retrospective_reflection_gives_a_reranker_loss(tasks, tiny_tokenizer):
     with torch.no_grad():
         workflow.rollout(engine, [tasks[3]], GREEDY)
     assert workflow.module_loss(None) is None and workflow.step_metrics(None) == {}  # evaluation trains nothing
+
+
+def test_with_a_large_first_stage_weight_the_workflow_keeps_the_first_stage_order(tasks, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, reply)
+    workflow = RMMWorkflow(top_k=5, top_m=2, first_stage_feature=True, embedding="hashing")
+    workflow.frozen_engine = engine
+    with torch.no_grad():
+        workflow.reranker.first_stage_weight.fill_(1e3)  # the first stage's order dominates the dot product
+        (trajectory,) = workflow.rollout(engine, [tasks[3]], GREEDY)  # "Who teaches Ben?"
+    (bank,) = workflow._bank_cache.values()
+    score = {e.id: s for e, s in bank.retrieve(tasks[3].question, 5, None)}  # the first stage's (BM25) scores
+    best = sorted(score.values(), reverse=True)[:2]
+    assert [score[i] for i in trajectory.info["shown_ids"]] == best  # kept in the first stage's order (ties aside)
+    with torch.no_grad():
+        workflow.reranker.first_stage_weight.zero_()  # back to the identity: the embeddings' order
+        (plain,) = workflow.rollout(engine, [tasks[3]], GREEDY)
+    assert [score[i] for i in plain.info["shown_ids"]] != best
 
 
 class _Scripted(L.Callback):

@@ -127,6 +127,8 @@ class RMMWorkflow(BankWorkflow):
         embedding_dim: size of ``hashing`` embeddings.
         embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
         reranker_lr: learning rate of the reranker's parameters.
+        first_stage_feature: (not in RMM) the reranker also scores a candidate by its standardised
+            first-stage score times a learned weight that starts at 0 (see :class:`Reranker`).
         baseline_momentum: running-mean factor of the REINFORCE baseline ``b``.
         train_generator: train the answer turns with GRPO (else only the reranker learns).
         show_raw: show each memory's source turns to the generator under its summary.
@@ -157,6 +159,7 @@ class RMMWorkflow(BankWorkflow):
         embedding_dim: int = 256,
         embedding_model: str | None = None,
         reranker_lr: float = 1e-3,
+        first_stage_feature: bool = False,
         baseline_momentum: float = 0.9,
         train_generator: bool = True,
         show_raw: bool = True,
@@ -185,7 +188,7 @@ class RMMWorkflow(BankWorkflow):
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
         )
-        self.reranker = Reranker(self.embedder.dim)
+        self.reranker = Reranker(self.embedder.dim, first_stage_feature)
         self.module_lr = reranker_lr
         self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
         self.temperature, self.gumbel = temperature, gumbel
@@ -301,7 +304,8 @@ class RMMWorkflow(BankWorkflow):
             if candidates:
                 query = self.embedder.embed([trajectory.task.question])[0].to(device)  # [D]
                 memories = self.embedder.embed([e.text for e in candidates]).to(device)  # [K, D]
-                scores = self.reranker(query, memories)  # [K]
+                first_stage = torch.tensor([score for _, score in retrieved])  # [K]
+                scores = self.reranker(query, memories, first_stage)  # [K]
                 chosen = gumbel_top_m(scores, self.top_m, self.temperature, noise=training and self.gumbel)
                 selection, shown = (scores, chosen), [candidates[i] for i in chosen.tolist()]
             self._selections.append(selection)

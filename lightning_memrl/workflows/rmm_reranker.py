@@ -26,23 +26,43 @@ RERANKER_REWARDS = ("citation", "evidence")
 class Reranker(nn.Module):
     """Scores ``s_k = (m_k + A_m m_k) · (q + A_q q)``: residual linear adapters, identity at start.
 
+    With ``first_stage_feature`` (not in RMM) also ``+ w · z_k``: ``z`` the candidates' first-stage scores
+    (e.g. BM25) standardised over the K candidates, ``w`` a learned scalar starting at 0, so the reranker
+    still starts as the identity and can learn how far to trust the first stage's order, a feature that
+    does not depend on what one conversation is about.
+
     Args:
         dim: embedding size.
+        first_stage_feature: add the learned first-stage term.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, first_stage_feature: bool = False) -> None:
         super().__init__()
         self.query_adapter = nn.Linear(dim, dim)
         self.memory_adapter = nn.Linear(dim, dim)
         for layer in (self.query_adapter, self.memory_adapter):  # start as plain dot-product retrieval
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
+        self.first_stage_weight = nn.Parameter(torch.zeros(())) if first_stage_feature else None
 
-    def forward(self, query: Tensor, memories: Tensor) -> Tensor:
-        """``query`` [D], ``memories`` [K, D] -> scores [K]."""
+    def forward(self, query: Tensor, memories: Tensor, first_stage: Tensor | None = None) -> Tensor:
+        """``query`` [D], ``memories`` [K, D], ``first_stage`` scores [K] (used with ``first_stage_feature``)
+        -> scores [K]."""
         q = query + self.query_adapter(query)  # [D]
         m = memories + self.memory_adapter(memories)  # [K, D]
-        return m @ q  # [K]
+        scores = m @ q  # [K]
+        if self.first_stage_weight is None:
+            return scores
+        if first_stage is None:
+            raise ValueError("a Reranker with first_stage_feature needs the candidates' first-stage scores")
+        return scores + self.first_stage_weight * standardised(first_stage.to(scores))
+
+
+def standardised(values: Tensor) -> Tensor:
+    """``(x − mean) / std`` over the last dimension (population std); all zeros when the values are equal."""
+    centred = values - values.mean(dim=-1, keepdim=True)
+    std = centred.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    return torch.where(std > 1e-12, centred / std.clamp_min(1e-12), torch.zeros_like(centred))
 
 
 def gumbel_top_m(scores: Tensor, m: int, temperature: float, noise: bool = True, generator: Any = None) -> Tensor:
