@@ -31,7 +31,8 @@ The evaluation report gives exact match, F1, BLEU-1, evidence recall and the man
 rate, overall and by LoCoMo category. The caps (``--sft_steps``, ``--grpo_*_steps``, sessions and questions
 per conversation, questions per step) are written with the results. Results: ``<out>/stages/<stage>.json``
 (command, wall time, training metrics) and ``<out>/<arm>/result.json`` (with ``eval_report.json`` and
-``predictions.jsonl``), each written as it finishes; a stage or arm whose JSON exists is skipped, so an
+``predictions.jsonl``), each written as it finishes, then ``summary.json`` (with every arm against ``sft``
+question by question: ``paired_vs_sft``); a stage or arm whose JSON exists is skipped, so an
 interrupted run resumes (a stage trained again redoes the stages and arms built on it). Checkpoints and
 adapters go under ``--work`` (not committed). Options the script does not know
 (``--model.init_args.generation.max_new_tokens=16``) go to every GRPO fit and validate.
@@ -308,6 +309,37 @@ def write_summary(out: Path, results: dict[str, dict], metrics: tuple[str, ...],
     print(json.dumps(table, indent=2))
 
 
+def task_scores(out: Path, arm: str) -> dict[str, dict[str, float]]:
+    """Exact match and token F1 (the evaluation's own) per held-apart question id of ``arm``'s predictions."""
+    from lightning_memrl.rewards import token_f1
+
+    rows = [json.loads(line) for line in (out / arm / "predictions.jsonl").read_text().splitlines() if line.strip()]
+    return {
+        "exact_match": {r["id"]: float(r["exact_match"]) for r in rows},
+        "f1": {r["id"]: token_f1(r["answer"], r["answers"]) for r in rows},
+    }
+
+
+def write_paired(out: Path, reference: str = "sft") -> dict[str, Any]:
+    """Every finished arm against ``reference`` question by question (EM and F1: mean difference, bootstrap
+    interval over questions, sign test; ``lightning_memrl.evaluation.paired``), into ``summary.json``."""
+    from lightning_memrl.evaluation.paired import paired_comparison
+
+    finished = [p.parent.name for p in sorted(out.glob("*/result.json")) if (p.parent / "predictions.jsonl").is_file()]
+    if reference not in finished:
+        return {}
+    ref = task_scores(out, reference)
+    paired = {}
+    for arm in (a for a in finished if a != reference):
+        scores = task_scores(out, arm)
+        paired[arm] = {m: paired_comparison(ref[m], scores[m]).to_dict() for m in ("exact_match", "f1")}
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary[f"paired_vs_{reference}"] = paired
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return paired
+
+
 def data_caps(args: argparse.Namespace) -> dict[str, Any]:
     """The LoCoMo caps of the training conversations and of the held-apart one."""
     return {
@@ -360,6 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             results[arm] = evaluate_arm(args, arm, extra, stages)
     write_summary(args.out, results, METRICS, caps(args))
+    write_paired(args.out)
     return results
 
 

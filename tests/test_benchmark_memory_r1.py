@@ -6,6 +6,7 @@ import importlib
 import json
 from pathlib import Path
 
+import pytest
 from locomo_fixture import write_two_conversations
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -63,5 +64,12 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
     assert calls == [] and again == results  # finished stages and arms are skipped, not rerun
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == set(results) and summary["caps"]["sft_steps"] == 1
+    paired = summary["paired_vs_sft"]  # question by question against the warm start
+    assert set(paired) == set(results) - {"sft"}
+    for arm, comparison in paired.items():
+        for metric in ("exact_match", "f1"):
+            difference = results[arm]["overall"][metric] - results["sft"]["overall"][metric]
+            pair = comparison[metric]
+            assert pair["pairs"] == 1 and pair["mean_difference"] == pytest.approx(difference)
     bench.main([*argv, "--arms", "base"])  # one arm asked for: the summary keeps the others
     assert calls == [] and set(json.loads((out / "summary.json").read_text())["arms"]) == set(results)
