@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from lightning_memrl.models import LoraSettings, load_policy
 from lightning_memrl.rewards import RewardFunction
 from lightning_memrl.types import ANSWER_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
 
@@ -16,6 +17,15 @@ class AnswerLength(RewardFunction):
 
     def score_answer(self, completion: str, answers: list[str]) -> float:
         return len(completion) / 10
+
+
+def save_random_adapter(path, tokenizer, seed: int):
+    """A tiny-model LoRA adapter (r 4, alpha 16) with random A and B, so it changes the model, saved by peft
+    at ``path``; returns ``path``."""
+    torch.manual_seed(seed)
+    policy = load_policy("tiny", tokenizer, lora=LoraSettings(r=4, lora_alpha=16, init_lora_weights=False))
+    policy.save_pretrained(path)
+    return path
 
 
 def answered(completion: str, answers: list[str], memories: list[str] | None = None) -> Trajectory:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import save_random_adapter
 
 from lightning_memrl import GenerationSettings, MemRLModule
 from lightning_memrl.adapter_files import drop_frozen_base, restore_frozen_base
@@ -16,12 +16,7 @@ GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=6)
 
 @pytest.fixture(scope="module")
 def saved_adapter(tmp_path_factory, tiny_tokenizer):
-    """A tiny-model LoRA adapter with random A and B (it changes the model), saved by peft."""
-    torch.manual_seed(1)
-    policy = load_policy("tiny", tiny_tokenizer, lora=LoraSettings(r=4, lora_alpha=16, init_lora_weights=False))
-    path = tmp_path_factory.mktemp("frozen") / "adapter"
-    policy.save_pretrained(path)
-    return path
+    return save_random_adapter(tmp_path_factory.mktemp("frozen") / "adapter", tiny_tokenizer, seed=1)
 
 
 def _greedy(engine, tokenizer) -> tuple[list[int], float]:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import AnswerLength, quiet_trainer
+from helpers import AnswerLength, quiet_trainer, save_random_adapter
 
 from lightning_memrl import GenerationSettings, GRPOSettings, MemRLModule, OptimizerSettings
 from lightning_memrl.adapter_files import drop_frozen_base, restore_frozen_base
@@ -20,12 +20,7 @@ IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
 @pytest.fixture(scope="module")
 def saved_adapter(tmp_path_factory, tiny_tokenizer):
-    """A tiny-model LoRA adapter with random A and B (it changes the model), saved by peft."""
-    torch.manual_seed(2)
-    policy = load_policy("tiny", tiny_tokenizer, lora=LoraSettings(r=4, lora_alpha=16, init_lora_weights=False))
-    path = tmp_path_factory.mktemp("reference") / "adapter"
-    policy.save_pretrained(path)
-    return path
+    return save_random_adapter(tmp_path_factory.mktemp("reference") / "adapter", tiny_tokenizer, seed=2)
 
 
 def _module(kl_coef: float = 0.1, **lora) -> MemRLModule:
