@@ -31,13 +31,13 @@ log = logging.getLogger(__name__)
 KEY = "memrl_adapter_only"  # the checkpoint entry: base model, the keys left out, the base's fingerprint
 PREFIX = "policy."  # the policy's keys in the module's state dict
 ADAPTER_CONFIG = "adapter_config.json"
-# in the keys of the adapters lora.frozen_adapter_name_or_path and lora.reference_adapter_name_or_path load:
-# never trained, re-loaded from their paths, so not saved
-FIXED_ADAPTER_PARTS = (".frozen.", ".reference.")
+FROZEN_ADAPTER = "frozen"  # peft name of the adapter lora.frozen_adapter_name_or_path loads
+REFERENCE_ADAPTER = "reference"  # peft name of the adapter lora.reference_adapter_name_or_path loads
+FIXED_ADAPTERS = (FROZEN_ADAPTER, REFERENCE_ADAPTER)  # never trained, re-loaded from their paths: not saved
 
 
 def _is_fixed_adapter(key: str) -> bool:
-    return any(part in key for part in FIXED_ADAPTER_PARTS)
+    return any(f".{name}." in key for name in FIXED_ADAPTERS)
 
 
 def _is_sharded(trainer: Any) -> bool:

@@ -19,15 +19,13 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+from lightning_memrl.adapter_files import FROZEN_ADAPTER, REFERENCE_ADAPTER
 from lightning_memrl.adapters import adapter_config
 from lightning_memrl.rollout.hf import RolloutEngine
 from lightning_memrl.settings import GenerationSettings
 from lightning_memrl.types import Generation
 
 log = logging.getLogger(__name__)
-
-FROZEN_ADAPTER = "frozen"  # peft name of the adapter lora.frozen_adapter_name_or_path loads (adapter_files matches it)
-REFERENCE_ADAPTER = "reference"  # peft name of the adapter lora.reference_adapter_name_or_path loads (likewise)
 
 
 class FrozenRolloutEngine(RolloutEngine):

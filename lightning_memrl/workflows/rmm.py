@@ -127,8 +127,7 @@ class RMMWorkflow(BankWorkflow):
         embedding_dim: size of ``hashing`` embeddings.
         embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
         reranker_lr: learning rate of the reranker's parameters.
-        first_stage_feature: (not in RMM) the reranker also scores a candidate by its standardised
-            first-stage score times a learned weight that starts at 0 (see :class:`Reranker`).
+        first_stage_feature: (not in RMM) also a learned weight on the first-stage scores (see :class:`Reranker`).
         baseline_momentum: running-mean factor of the REINFORCE baseline ``b``.
         train_generator: train the answer turns with GRPO (else only the reranker learns).
         show_raw: show each memory's source turns to the generator under its summary.
@@ -304,8 +303,7 @@ class RMMWorkflow(BankWorkflow):
             if candidates:
                 query = self.embedder.embed([trajectory.task.question])[0].to(device)  # [D]
                 memories = self.embedder.embed([e.text for e in candidates]).to(device)  # [K, D]
-                first_stage = torch.tensor([score for _, score in retrieved])  # [K]
-                scores = self.reranker(query, memories, first_stage)  # [K]
+                scores = self.reranker(query, memories, torch.tensor([s for _, s in retrieved]))  # [K]
                 chosen = gumbel_top_m(scores, self.top_m, self.temperature, noise=training and self.gumbel)
                 selection, shown = (scores, chosen), [candidates[i] for i in chosen.tolist()]
             self._selections.append(selection)
