@@ -341,8 +341,9 @@ def write_paired(out: Path, reference: str = "sft") -> dict[str, Any]:
 
 
 def data_caps(args: argparse.Namespace) -> dict[str, Any]:
-    """The LoCoMo caps of the training conversations and of the held-apart one."""
+    """The seed of every run, and the LoCoMo caps of the training conversations and of the held-apart one."""
     return {
+        "seed": args.seed,
         "train_conversations": args.train,
         "sessions_per_conversation": args.max_sessions,
         "questions_per_conversation": args.max_questions,

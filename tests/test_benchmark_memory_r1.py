@@ -39,7 +39,8 @@ def test_pipeline_runs_every_arm_on_the_held_apart_conversation_and_skips_finish
         for row in [saved["overall"], *saved["by_category"].values()]:
             assert all(0.0 <= row[k] <= 1.0 for k in METRICS if k != "valid_operations"), row
             assert row["valid_operations"] is None  # the tiny model's facts decode to nothing: no operation to rate
-        assert saved["caps"]["grpo_answerer_steps"] == 1 and saved["machine"]["threads"] >= 1
+        assert saved["caps"]["grpo_answerer_steps"] == 1 and saved["caps"]["seed"] == 0
+        assert saved["machine"]["threads"] >= 1
         assert "lightning-memrl validate" in saved["eval_command"] and "conv-b" in saved["eval_command"]
         assert len((out / arm / "predictions.jsonl").read_text().splitlines()) == 1
     full = results["sft+grpo_manager+grpo_answerer"]
