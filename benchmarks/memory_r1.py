@@ -333,10 +333,8 @@ def write_paired(out: Path, reference: str = "sft") -> dict[str, Any]:
     for arm in (a for a in finished if a != reference):
         scores = task_scores(out, arm)
         paired[arm] = {m: paired_comparison(ref[m], scores[m]).to_dict() for m in ("exact_match", "f1")}
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text())
-    summary[f"paired_vs_{reference}"] = paired
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    summary = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").write_text(json.dumps({**summary, f"paired_vs_{reference}": paired}, indent=2) + "\n")
     return paired
 
 

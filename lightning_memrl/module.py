@@ -166,8 +166,7 @@ class MemRLModule(L.LightningModule):
         needs_frozen = self.workflow.needs_frozen_model()
         if self.lora is not None and (self.grpo.kl_coef > 0 or needs_frozen):
             check_base_reference(self.policy, "grpo.kl_coef > 0" if self.grpo.kl_coef > 0 else "frozen agents")
-        if self.lora is not None:
-            load_reference_adapter(self.policy, self.lora, self.grpo.kl_coef)
+        load_reference_adapter(self.policy, self.lora, self.grpo.kl_coef)  # no-op without that LoRA option
         if (self.grpo.kl_coef > 0 or needs_frozen) and self.lora is None:
             reference = self._load_model(mesh, reference=True)
             reference.eval().requires_grad_(False)
@@ -222,8 +221,7 @@ class MemRLModule(L.LightningModule):
         )
 
     def reference_context(self) -> Any:
-        """Context in which ``self.policy`` computes reference log-probs (LoRA: adapters off, or only
-        ``lora.reference_adapter_name_or_path`` on)."""
+        """Context in which ``self.policy`` computes reference log-probs (LoRA: see ``lora_reference``)."""
         return lora_reference(self.policy) if self.lora is not None else nullcontext()
 
     def on_train_start(self) -> None:

@@ -96,7 +96,7 @@ def load_fixed_adapter(policy: Any, path: str, name: str, option: str) -> None:
 
 
 def load_reference_adapter(policy: Any, lora: Any, kl_coef: float) -> None:
-    """Load ``lora.reference_adapter_name_or_path`` (if set) into the peft ``policy`` as
+    """Load ``lora.reference_adapter_name_or_path`` (if ``lora`` is set and has it) into the peft ``policy`` as
     :data:`REFERENCE_ADAPTER`, the KL term's reference; with ``kl_coef`` 0 nothing uses it: a warning, no load."""
     path = getattr(lora, "reference_adapter_name_or_path", None)
     if path is None:
