@@ -99,12 +99,22 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--first_stage_feature", action="store_true",
         help="the reranker also learns a weight on the standardised first-stage score (not RMM; starts at 0)",
     )  # fmt: skip
+    p.add_argument(
+        "--weight_decay", type=float, default=0.0, help="AdamW weight decay (pulls the adapters to identity)"
+    )
     p.add_argument("--baseline_momentum", type=float, default=0.9, help="running-mean factor of the baseline")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--tag", default="", help="suffix of the result and bank file names")
+    p.add_argument(
+        "--held_apart", default=None,
+        help="a conversation no (lr, steps) choice reads: the best leave-one-out setting, trained on every "
+        "--conversations question, is evaluated on it once",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if len(args.conversations) < 2:
         p.error("--conversations needs at least 2 conversations: one is held out in turn")
+    if args.held_apart in args.conversations:
+        p.error(f"--held_apart {args.held_apart} is also in --conversations: it must stay unseen while tuning")
     if not 1 <= args.top_m <= args.top_k:
         p.error(f"--top_m must lie in 1..--top_k, got --top_m {args.top_m} --top_k {args.top_k}")
     args.banks = args.banks or Path("logs") / f"rmm_banks{'_' + args.tag if args.tag else ''}.json"
@@ -126,7 +136,7 @@ def load_tasks(args: argparse.Namespace) -> dict[str, list[Any]]:
         max_sessions=args.max_sessions or None, max_questions=args.max_questions or None, conversations=None
     )
     tasks: dict[str, list[Any]] = {}
-    for conversation in args.conversations:
+    for conversation in [*args.conversations, *([args.held_apart] if args.held_apart else [])]:
         settings.conversations = [conversation]
         tasks[conversation] = load_locomo(args.locomo, settings)
         if not tasks[conversation]:
@@ -134,8 +144,11 @@ def load_tasks(args: argparse.Namespace) -> dict[str, list[Any]]:
     return tasks
 
 
-def build_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]]) -> dict[str, Any]:
-    """Build every conversation's bank with the base model's greedy reflection, then cache it in ``--banks``."""
+def build_banks(
+    args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]], cache: dict[str, Any]
+) -> dict[str, Any]:
+    """Build the banks of the conversations in ``tasks`` that ``cache`` lacks with the base model's greedy
+    reflection, add them to ``cache`` and write it to ``--banks``."""
     from lightning_memrl.models import load_policy, load_tokenizer
     from lightning_memrl.rollout.hf import RolloutEngine
     from lightning_memrl.settings import GenerationSettings
@@ -143,15 +156,12 @@ def build_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str
     generation = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["generation"]
     tokenizer = load_tokenizer(args.model)
     engine = RolloutEngine(load_policy(args.model, tokenizer, dtype=args.dtype), tokenizer)
-    conversations = [conversation_of(tasks[c][0]) for c in args.conversations]
+    conversations = [conversation_of(tasks[c][0]) for c in tasks if c not in cache["banks"]]
     start = time.perf_counter()
     with torch.no_grad():
         built = workflow.build_banks(engine, conversations, GenerationSettings(**generation).greedy(), False)
-    cache = {
-        **bank_recipe(args, workflow),
-        "build_s": time.perf_counter() - start,
-        "banks": {c.id: bank.state_dict() for c, (bank, _) in zip(conversations, built)},
-    }
+    cache["build_s"] += time.perf_counter() - start
+    cache["banks"].update({c.id: bank.state_dict() for c, (bank, _) in zip(conversations, built)})
     args.banks.parent.mkdir(parents=True, exist_ok=True)
     args.banks.write_text(json.dumps(cache, indent=1) + "\n")
     return cache
@@ -172,14 +182,18 @@ def bank_recipe(args: argparse.Namespace, workflow: RMMWorkflow) -> dict[str, An
 
 
 def load_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]]) -> dict[str, Any]:
-    """The cached banks when ``--banks`` holds every conversation built the same way, else freshly built ones."""
+    """The banks cached in ``--banks`` when they were built the same way, with the missing conversations' added."""
+    recipe = bank_recipe(args, workflow)
+    cache = {**recipe, "build_s": 0.0, "banks": {}}
     if args.banks.exists():
-        cache = json.loads(args.banks.read_text())
-        recipe = bank_recipe(args, workflow)
-        if set(args.conversations) <= set(cache["banks"]) and all(cache.get(k) == v for k, v in recipe.items()):
-            return cache
-        print(f"{args.banks} lacks a conversation or was built another way (model, sessions, prompts): rebuilding it")
-    return build_banks(args, workflow, tasks)
+        cached = json.loads(args.banks.read_text())
+        if all(cached.get(k) == v for k, v in recipe.items()):
+            cache = cached
+        else:
+            print(f"{args.banks} was built another way (model, sessions, prompts): rebuilding it")
+    if set(tasks) <= set(cache["banks"]):
+        return cache
+    return build_banks(args, workflow, tasks, cache)
 
 
 def questions_of(workflow: RMMWorkflow, bank: MemoryBank, tasks: list[Any], skipped: dict[str, int]) -> list[Question]:
@@ -247,7 +261,7 @@ def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, 
     """A fresh reranker after ``steps`` steps of ``--objective`` (REINFORCE: as the workflow trains it online)."""
     torch.manual_seed(seed)
     reranker = Reranker(questions[0].query.numel(), args.first_stage_feature)
-    optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=args.weight_decay)
     baseline, order = 0.0, []
     for _ in range(steps):
         while len(order) < args.questions_per_step:
@@ -302,6 +316,34 @@ def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dic
     return [{"identity_recall": identity, "first_stage_recall": ceiling, "first_stage_order_recall": in_order}, *rows]
 
 
+def evaluate_held_apart(args: argparse.Namespace, data: dict[str, list[Question]], held: list[Question], runs) -> dict:
+    """The (lr, steps) of the best mean leave-one-out gain, trained on every question of ``data`` (each seed),
+    evaluated on the held-apart questions against the identity, the first stage's order and its top K."""
+    best = max(runs, key=lambda row: row["mean_gain"])
+    train = [q for qs in data.values() for q in qs]
+    identity = recall_at_m(Reranker(held[0].query.numel()), held, args.top_m)
+    trained = [
+        recall_at_m(train_reranker(train, best["lr"], best["steps"], s, args), held, args.top_m) for s in args.seeds
+    ]
+    result = {
+        "conversation": args.held_apart,
+        "questions": len(held),
+        "chosen": {"lr": best["lr"], "steps": best["steps"], "mean_leave_one_out_gain": best["mean_gain"]},
+        "identity_recall": identity,
+        "first_stage_order_recall": first_stage_recall(held, args.top_m),
+        "first_stage_recall": recall_at_m(Reranker(held[0].query.numel()), held, args.top_k),
+        "trained_recall": trained,
+        "mean_gain": statistics.fmean(trained) - identity,
+    }
+    print(
+        f"held apart {args.held_apart} ({len(held)} questions; lr {best['lr']:g}, {best['steps']} steps): "
+        f"Recall@{args.top_m} identity {100 * identity:.1f}, "
+        f"first stage {100 * result['first_stage_order_recall']:.1f}, "
+        f"trained {', '.join(f'{100 * r:.1f}' for r in trained)} (mean gain {100 * result['mean_gain']:+.1f})"
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _args(argv)
     bu.set_threads(args.threads)
@@ -310,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cache = load_banks(args, workflow, tasks)
     skipped = {"no evidence": 0, "no candidate": 0}
     data = {}
-    for conversation in args.conversations:
+    for conversation in tasks:
         bank = workflow.new_bank()
         bank.load_state_dict(cache["banks"][conversation])
         data[conversation] = questions_of(workflow, bank, tasks[conversation], skipped)
@@ -320,6 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     empty = [c for c, qs in data.items() if not qs]
     if empty:
         raise SystemExit(f"no question of {empty} has first-stage candidates: the reflection wrote no memory there")
+    counts = {c: len(qs) for c, qs in data.items()}
+    held = data.pop(args.held_apart) if args.held_apart else None
     identity, *rows = sweep(args, data)
     result = {
         "command": "python benchmarks/rmm_reranker_offline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -327,11 +371,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": cache["model"],
         "bank_build_s": cache["build_s"],
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "questions": {c: len(qs) for c, qs in data.items()},
-        "bank_sizes": {c: len(cache["banks"][c]["entries"]) for c in args.conversations},
+        "questions": counts,
+        "bank_sizes": {c: len(cache["banks"][c]["entries"]) for c in tasks},
         "skipped": skipped,
         **identity,
         "runs": rows,
+        "held_apart": evaluate_held_apart(args, data, held, rows) if held else None,
     }
     path = bu.write_result("rmm_reranker_offline" + (f"_{args.tag}" if args.tag else ""), result)
     print(f"wrote {path}")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from locomo_fixture import write_two_conversations
+from locomo_fixture import locomo_conversation, write_locomo, write_two_conversations
 
 from lightning_memrl.memory.bank import MemoryBank
 from lightning_memrl.memory.embedders import HashingEmbedder
@@ -47,16 +47,21 @@ def bench(monkeypatch, tmp_path):
     return module
 
 
-def _write_banks(bench, path: Path) -> None:
+def _write_banks(bench, path: Path, names=(("conv-a", "Ana"), ("conv-b", "Eva")), *options: str) -> None:
     banks = {}
-    for conversation, name in (("conv-a", "Ana"), ("conv-b", "Eva")):
+    for conversation, name in names:
         bank = MemoryBank()
         for text, sources in FACTS:
             bank.add(text.replace("Ana", name), "session_1", "", sources)
         banks[conversation] = bank.state_dict()
-    args = bench._args(_argv(path.parent, "--top_m", "1"))  # the default --model, as the tests run
+    args = bench._args(_argv(path.parent, "--top_m", "1", *options))  # the default --model, unless options say
     recipe = bench.bank_recipe(args, bench.workflow_of(args))
-    path.write_text(json.dumps({**recipe, "build_s": 0.0, "banks": banks}))
+    path.write_text(json.dumps({**recipe, "build_s": 1.5, "banks": banks}))
+
+
+def _write_third_conversation(tmp_path: Path) -> None:
+    """``conv-c``: the fixture's dialogue with Ana renamed Ida, next to ``conv-a`` and ``conv-b``."""
+    write_locomo(tmp_path / "data", "conv-c", json.loads(json.dumps(locomo_conversation()).replace("Ana", "Ida")))
 
 
 def _argv(tmp_path: Path, *extra: str) -> list[str]:
@@ -115,9 +120,42 @@ def test_banks_are_built_with_the_model_and_an_empty_bank_stops_with_a_message(b
     assert cache["banks"]["conv-a"]["entries"] == [] and "{dialogue}" in cache["reflection"]["reflect_template"]
 
 
+def test_held_apart_conversation_is_scored_once_with_the_best_leave_one_out_setting(bench, tmp_path):
+    _write_banks(bench, tmp_path / "banks.json", (("conv-a", "Ana"), ("conv-b", "Eva"), ("conv-c", "Ida")))
+    argv = _argv(tmp_path, "--top_m", "1", "--objective", "supervised", "--lrs", "0", "0.05", "--steps", "40")
+    _write_third_conversation(tmp_path)
+    result = bench.main([*argv, "--seeds", "0", "--questions_per_step", "3", "--held_apart", "conv-c"])
+    assert all(set(run["gains"]) == {"conv-a", "conv-b"} for run in result["runs"])  # tuning never reads conv-c
+    assert result["questions"]["conv-c"] == 4 and result["bank_sizes"]["conv-c"] == 4
+    held = result["held_apart"]
+    best = max(result["runs"], key=lambda run: run["mean_gain"])
+    assert best["lr"] == 0.05 and held["chosen"] == {
+        "lr": 0.05,
+        "steps": 40,
+        "mean_leave_one_out_gain": best["mean_gain"],
+    }
+    assert held["conversation"] == "conv-c" and held["questions"] == 4 and held["first_stage_recall"] == 1.0
+    # the same facts under another name: what the labels taught on conv-a and conv-b holds on conv-c
+    assert held["identity_recall"] < 3.5 / 4 and held["trained_recall"] == [pytest.approx(3.5 / 4)]
+    assert held["mean_gain"] == pytest.approx(3.5 / 4 - held["identity_recall"])
+    assert held["first_stage_order_recall"] == pytest.approx(_top1_recall(MemoryBank("bm25")))
+
+
+def test_only_the_missing_conversations_bank_is_built(bench, tmp_path):
+    _write_banks(bench, tmp_path / "banks.json", (("conv-a", "Ana"), ("conv-b", "Eva")), "--model", "tiny")
+    _write_third_conversation(tmp_path)
+    argv = _argv(tmp_path, "--model", "tiny", "--dtype", "float32", "--top_m", "1", "--held_apart", "conv-c")
+    with pytest.raises(SystemExit, match=r"no question of \['conv-c'\] has first-stage candidates"):
+        bench.main(argv)  # the tiny model's reflection writes no memory
+    cache = json.loads((tmp_path / "banks.json").read_text())
+    assert [len(cache["banks"][c]["entries"]) for c in ("conv-a", "conv-b", "conv-c")] == [4, 4, 0]
+    assert cache["build_s"] > 1.5  # the cached banks' time plus conv-c's
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        (["--conversations", "conv-a", "conv-b", "--held_apart", "conv-b"], "--held_apart conv-b is also in"),
         (["--conversations", "conv-a"], "--conversations needs at least 2 conversations"),
         (["--conversations", "conv-a", "conv-b", "--top_m", "11"], "--top_m must lie in 1..--top_k, got --top_m 11"),
     ],
