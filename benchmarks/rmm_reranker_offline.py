@@ -24,7 +24,10 @@ same rule away from the generator, so learning rates and step counts can be trie
    training questions themselves (whether the rule fits what it trains on); per conversation, the
    identity's Recall@``top_m``, the first stage's Recall@``top_m`` in its own order (no reranking) and
    its Recall@``top_k`` (the most any reranking reaches). ``--first_stage_feature`` trains the reranker
-   with a learned weight on the first-stage scores (not RMM; see ``Reranker``).
+   with a learned weight on the first-stage scores, ``--source_turn_feature`` on each candidate's best-matching
+   source dialogue turn (neither is RMM; see ``Reranker``). ``--held_apart`` trains the best leave-one-out
+   setting on every question and scores it once on a conversation the tuning never read, next to the identity
+   and the features at a hand-set weight of 1 (what they give without learning).
 
 Only the conversations named are read, so the held-apart one of ``benchmarks/rmm.py`` stays unseen while
 tuning. Results: ``benchmarks/results/rmm_reranker_offline[_<tag>].json``.
@@ -33,10 +36,8 @@ tuning. Results: ``benchmarks/results/rmm_reranker_offline[_<tag>].json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,8 +48,8 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils as bu  # noqa: E402
 from rmm import CONFIG  # noqa: E402  (the RMM benchmark's config: the same workflow options)
+from rmm_banks import load_banks, load_tasks  # noqa: E402
 
-from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo  # noqa: E402
 from lightning_memrl.evaluation.metrics import evidence_recall  # noqa: E402
 from lightning_memrl.memory.bank import MemoryBank  # noqa: E402
 from lightning_memrl.workflows.bank import conversation_of  # noqa: E402
@@ -70,6 +71,12 @@ class Question(NamedTuple):
     sources: list[list[str]]  # source dia_ids of each candidate
     evidence: list[str]  # the question's evidence dia_ids
     first_stage: Tensor  # [K] the candidates' first-stage scores, best first
+    source_turns: Tensor | None  # [K] each candidate's best source-turn match (with --source_turn_feature)
+
+    @property
+    def scored(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The reranker's inputs: query, memories, first-stage and source-turn scores."""
+        return self.query, self.memories, self.first_stage, self.source_turns
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -100,6 +107,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="the reranker also learns a weight on the standardised first-stage score (not RMM; starts at 0)",
     )  # fmt: skip
     p.add_argument(
+        "--source_turn_feature", action="store_true",
+        help="the reranker also learns a weight on each candidate's best source-turn match (not RMM; starts at 0)",
+    )  # fmt: skip
+    p.add_argument(
         "--weight_decay", type=float, default=0.0, help="AdamW weight decay (pulls the adapters to identity)"
     )
     p.add_argument("--baseline_momentum", type=float, default=0.9, help="running-mean factor of the baseline")
@@ -126,74 +137,9 @@ def workflow_of(args: argparse.Namespace) -> RMMWorkflow:
     options = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["workflow"]["init_args"]
     options.pop("judge", None)
     options.update(embedding=args.embedding, top_k=args.top_k, top_m=args.top_m, temperature=args.temperature)
+    options.update(first_stage_feature=args.first_stage_feature, source_turn_feature=args.source_turn_feature)
     options["train_generator"] = False  # the base model reflects; nothing here trains it
     return RMMWorkflow(**options)
-
-
-def load_tasks(args: argparse.Namespace) -> dict[str, list[Any]]:
-    """The tasks of each conversation in ``--conversations`` under the session and question caps."""
-    settings = LoCoMoSettings(
-        max_sessions=args.max_sessions or None, max_questions=args.max_questions or None, conversations=None
-    )
-    tasks: dict[str, list[Any]] = {}
-    for conversation in [*args.conversations, *([args.held_apart] if args.held_apart else [])]:
-        settings.conversations = [conversation]
-        tasks[conversation] = load_locomo(args.locomo, settings)
-        if not tasks[conversation]:
-            raise SystemExit(f"--conversations {conversation}: no question of {args.locomo} kept under the caps")
-    return tasks
-
-
-def build_banks(
-    args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]], cache: dict[str, Any]
-) -> dict[str, Any]:
-    """Build the banks of the conversations in ``tasks`` that ``cache`` lacks with the base model's greedy
-    reflection, add them to ``cache`` and write it to ``--banks``."""
-    from lightning_memrl.models import load_policy, load_tokenizer
-    from lightning_memrl.rollout.hf import RolloutEngine
-    from lightning_memrl.settings import GenerationSettings
-
-    generation = yaml.safe_load(CONFIG.read_text())["model"]["init_args"]["generation"]
-    tokenizer = load_tokenizer(args.model)
-    engine = RolloutEngine(load_policy(args.model, tokenizer, dtype=args.dtype), tokenizer)
-    conversations = [conversation_of(tasks[c][0]) for c in tasks if c not in cache["banks"]]
-    start = time.perf_counter()
-    with torch.no_grad():
-        built = workflow.build_banks(engine, conversations, GenerationSettings(**generation).greedy(), False)
-    cache["build_s"] += time.perf_counter() - start
-    cache["banks"].update({c.id: bank.state_dict() for c, (bank, _) in zip(conversations, built)})
-    args.banks.parent.mkdir(parents=True, exist_ok=True)
-    args.banks.write_text(json.dumps(cache, indent=1) + "\n")
-    return cache
-
-
-def bank_recipe(args: argparse.Namespace, workflow: RMMWorkflow) -> dict[str, Any]:
-    """What a cached bank depends on: the model, the session cap and the reflection's options and prompts."""
-    reflection = ("turns_per_segment", "max_topics", "merge_top_k", "reflect_max_tokens", "merge_max_tokens")
-    return {
-        "model": args.model,
-        "max_sessions": args.max_sessions or None,
-        "reflection": {
-            **{name: getattr(workflow, name) for name in reflection},
-            "reflect_template": workflow.reflect_template,
-            "merge_template": workflow.merge_template,
-        },
-    }
-
-
-def load_banks(args: argparse.Namespace, workflow: RMMWorkflow, tasks: dict[str, list[Any]]) -> dict[str, Any]:
-    """The banks cached in ``--banks`` when they were built the same way, with the missing conversations' added."""
-    recipe = bank_recipe(args, workflow)
-    cache = {**recipe, "build_s": 0.0, "banks": {}}
-    if args.banks.exists():
-        cached = json.loads(args.banks.read_text())
-        if all(cached.get(k) == v for k, v in recipe.items()):
-            cache = cached
-        else:
-            print(f"{args.banks} was built another way (model, sessions, prompts): rebuilding it")
-    if set(tasks) <= set(cache["banks"]):
-        return cache
-    return build_banks(args, workflow, tasks, cache)
 
 
 def questions_of(workflow: RMMWorkflow, bank: MemoryBank, tasks: list[Any], skipped: dict[str, int]) -> list[Question]:
@@ -209,7 +155,9 @@ def questions_of(workflow: RMMWorkflow, bank: MemoryBank, tasks: list[Any], skip
         query = workflow.embedder.embed([task.question])[0]  # [D]
         memories = workflow.embedder.embed([e.text for e in candidates])  # [K, D]
         first_stage = torch.tensor([score for _, score in retrieved])  # [K]
-        out.append(Question(query, memories, [list(e.source_ids) for e in candidates], evidence, first_stage))
+        sources = [list(e.source_ids) for e in candidates]
+        turns = workflow.source_turns(query, conversation_of(task), sources) if workflow.source_turns else None
+        out.append(Question(query, memories, sources, evidence, first_stage, turns))
     return out
 
 
@@ -218,7 +166,7 @@ def recall_at_m(reranker: Reranker, questions: list[Question], top_m: int) -> fl
     values = []
     with torch.no_grad():
         for q in questions:
-            kept = torch.topk(reranker(q.query, q.memories, q.first_stage), min(top_m, len(q.sources))).indices.tolist()
+            kept = torch.topk(reranker(*q.scored), min(top_m, len(q.sources))).indices.tolist()
             values.append(evidence_recall({s for i in kept for s in q.sources[i]}, q.evidence))
     return statistics.fmean(values)
 
@@ -235,7 +183,7 @@ def reinforce_step_loss(reranker: Reranker, batch: list[Question], args: argpars
     losses, rewards = [], []
     for q in batch:
         for _ in range(args.group_size):
-            scores = reranker(q.query, q.memories, q.first_stage)  # [K]
+            scores = reranker(*q.scored)  # [K]
             chosen = gumbel_top_m(scores, args.top_m, args.temperature)  # [M]
             reward = evidence_rewards([q.sources[i] for i in chosen.tolist()], q.evidence)  # [M]
             losses.append(reinforce_loss(selection_log_probs(scores, chosen, args.temperature), reward, baseline))
@@ -250,9 +198,7 @@ def supervised_step_loss(reranker: Reranker, batch: list[Question], args: argpar
     for q in batch:
         labels = torch.tensor([1.0 if set(q.evidence) & set(s) else 0.0 for s in q.sources])  # [K]
         if labels.sum() > 0:  # no candidate holds evidence: nothing to pull up
-            log_probs = torch.log_softmax(
-                reranker(q.query, q.memories, q.first_stage) / args.temperature, dim=-1
-            )  # [K]
+            log_probs = torch.log_softmax(reranker(*q.scored) / args.temperature, dim=-1)  # [K]
             losses.append(-(log_probs * labels).sum() / labels.sum())
     return torch.stack(losses).mean() if losses else torch.zeros((), requires_grad=True)
 
@@ -260,7 +206,7 @@ def supervised_step_loss(reranker: Reranker, batch: list[Question], args: argpar
 def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, args: argparse.Namespace) -> Reranker:
     """A fresh reranker after ``steps`` steps of ``--objective`` (REINFORCE: as the workflow trains it online)."""
     torch.manual_seed(seed)
-    reranker = Reranker(questions[0].query.numel(), args.first_stage_feature)
+    reranker = Reranker(questions[0].query.numel(), args.first_stage_feature, args.source_turn_feature)
     optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=args.weight_decay)
     baseline, order = 0.0, []
     for _ in range(steps):
@@ -316,6 +262,17 @@ def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dic
     return [{"identity_recall": identity, "first_stage_recall": ceiling, "first_stage_order_recall": in_order}, *rows]
 
 
+def hand_set(dim: int, args: argparse.Namespace) -> Reranker:
+    """The untrained reranker with each optional feature's weight set to 1 by hand: what the features give
+    without learning (the identity when there is none)."""
+    reranker = Reranker(dim, args.first_stage_feature, args.source_turn_feature)
+    with torch.no_grad():
+        for weight in (reranker.first_stage_weight, reranker.source_turn_weight):
+            if weight is not None:
+                weight.fill_(1.0)
+    return reranker
+
+
 def evaluate_held_apart(args: argparse.Namespace, data: dict[str, list[Question]], held: list[Question], runs) -> dict:
     """The (lr, steps) of the best mean leave-one-out gain, trained on every question of ``data`` (each seed),
     evaluated on the held-apart questions against the identity, the first stage's order and its top K."""
@@ -332,6 +289,7 @@ def evaluate_held_apart(args: argparse.Namespace, data: dict[str, list[Question]
         "identity_recall": identity,
         "first_stage_order_recall": first_stage_recall(held, args.top_m),
         "first_stage_recall": recall_at_m(Reranker(held[0].query.numel()), held, args.top_k),
+        "hand_set_recall": recall_at_m(hand_set(held[0].query.numel(), args), held, args.top_m),
         "trained_recall": trained,
         "mean_gain": statistics.fmean(trained) - identity,
     }

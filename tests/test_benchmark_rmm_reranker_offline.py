@@ -11,6 +11,7 @@ from locomo_fixture import locomo_conversation, write_locomo, write_two_conversa
 
 from lightning_memrl.memory.bank import MemoryBank
 from lightning_memrl.memory.embedders import HashingEmbedder
+from lightning_memrl.workflows.rmm_reranker import standardised
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 FACTS = [  # (memory, its source turns) of the fixture's dialogue
@@ -55,7 +56,7 @@ def _write_banks(bench, path: Path, names=(("conv-a", "Ana"), ("conv-b", "Eva"))
             bank.add(text.replace("Ana", name), "session_1", "", sources)
         banks[conversation] = bank.state_dict()
     args = bench._args(_argv(path.parent, "--top_m", "1", *options))  # the default --model, unless options say
-    recipe = bench.bank_recipe(args, bench.workflow_of(args))
+    recipe = importlib.import_module("rmm_banks").bank_recipe(args, bench.workflow_of(args))
     path.write_text(json.dumps({**recipe, "build_s": 1.5, "banks": banks}))
 
 
@@ -139,6 +140,29 @@ def test_held_apart_conversation_is_scored_once_with_the_best_leave_one_out_sett
     assert held["identity_recall"] < 3.5 / 4 and held["trained_recall"] == [pytest.approx(3.5 / 4)]
     assert held["mean_gain"] == pytest.approx(3.5 / 4 - held["identity_recall"])
     assert held["first_stage_order_recall"] == pytest.approx(_top1_recall(MemoryBank("bm25")))
+    assert held["hand_set_recall"] == held["identity_recall"]  # no feature to set: the identity
+
+
+def test_source_turn_feature_starts_as_the_identity_and_a_hand_set_weight_reads_the_dialogue(bench, tmp_path):
+    _write_banks(bench, tmp_path / "banks.json", (("conv-a", "Ana"), ("conv-b", "Eva"), ("conv-c", "Ida")))
+    _write_third_conversation(tmp_path)
+    argv = _argv(tmp_path, "--top_m", "1", "--lrs", "0", "--steps", "3", "--seeds", "0", "--source_turn_feature")
+    result = bench.main([*argv, "--held_apart", "conv-c"])
+    assert result["runs"][0]["gains"] == {"conv-a": [0.0], "conv-b": [0.0]}  # w and the adapters start at 0
+    held = result["held_apart"]
+    assert held["trained_recall"] == [held["identity_recall"]]
+    # by hand, with w = 1: each memory's summary match plus its one source turn's match, standardised
+    turns = {"D1:1": "Ida: I adopted a cat named Miso.", "D1:2": "Ben: Nice! I started learning the violin.",
+             "D2:2": "Ben: I moved to Lisbon last week.", "D3:1": "Ben: My violin teacher is called Rosa."}  # fmt: skip
+    embed = HashingEmbedder(256).embed
+    summaries = embed([text.replace("Ana", "Ida") for text, _ in FACTS])  # [K, D]
+    sources = embed([turns[ids[0]] for _, ids in FACTS])  # [K, D]
+    recalls = []
+    for question, evidence in QUESTIONS.items():
+        q = embed([question.replace("Ana", "Ida")])[0]
+        best = int((summaries @ q + standardised(sources @ q)).argmax())
+        recalls.append(sum(e in FACTS[best][1] for e in evidence) / len(evidence))
+    assert held["hand_set_recall"] == pytest.approx(sum(recalls) / len(recalls))
 
 
 def test_only_the_missing_conversations_bank_is_built(bench, tmp_path):

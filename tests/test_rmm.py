@@ -12,6 +12,7 @@ from scripted_engine import ScriptedEngine
 from lightning_memrl import GenerationSettings, GRPOSettings, MemRLDataModule, MemRLModule
 from lightning_memrl.data.locomo import LoCoMoSettings, load_locomo
 from lightning_memrl.types import ANSWER_TURN
+from lightning_memrl.workflows.bank import conversation_of
 from lightning_memrl.workflows.rmm import (
     Reranker,
     RMMWorkflow,
@@ -21,7 +22,7 @@ from lightning_memrl.workflows.rmm import (
     reinforce_loss,
     selection_log_probs,
 )
-from lightning_memrl.workflows.rmm_reranker import standardised
+from lightning_memrl.workflows.rmm_reranker import SourceTurnScorer, source_turn_scores, standardised
 
 SAMPLED = GenerationSettings(temperature=1.0, max_new_tokens=16)
 GREEDY = GenerationSettings(temperature=0.0, max_new_tokens=16)
@@ -90,6 +91,44 @@ def test_first_stage_feature_starts_as_identity_and_adds_the_weighted_standardis
     torch.testing.assert_close(standardised(torch.tensor([2.0, 2.0])), torch.zeros(2))  # equal scores: no signal
     with pytest.raises(ValueError, match="needs the candidates' first-stage scores"):
         reranker(query, memories)
+
+
+def test_source_turn_feature_adds_the_weighted_standardised_best_turn_match():
+    query = torch.tensor([1.0, 0.0])  # [D]
+    turns = [torch.tensor([[0.2, 1.0], [0.9, 0.0]]), torch.tensor([[0.3, 0.3]]), torch.zeros(0, 2)]  # [T_k, D]
+    best = source_turn_scores(query, turns)  # max_j v_kj . q, by hand: 0.9, 0.3, and 0 for no turn
+    torch.testing.assert_close(best, torch.tensor([0.9, 0.3, 0.0]))
+    memories = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])  # [K, D]: dot products 1, 0, 0.5
+    reranker = Reranker(2, source_turn_feature=True)
+    torch.testing.assert_close(reranker(query, memories, None, best), torch.tensor([1.0, 0.0, 0.5]))  # w = 0
+    with torch.no_grad():
+        reranker.source_turn_weight.fill_(2.0)
+    mean, std = 0.4, (((0.5**2) + (0.1**2) + (0.4**2)) / 3) ** 0.5  # of 0.9, 0.3, 0.0
+    z = torch.tensor([(0.9 - mean) / std, (0.3 - mean) / std, (0.0 - mean) / std])
+    torch.testing.assert_close(reranker(query, memories, None, best), torch.tensor([1.0, 0.0, 0.5]) + 2.0 * z)
+    with pytest.raises(ValueError, match="needs the candidates' source-turn scores"):
+        reranker(query, memories)
+
+
+class _CountingEmbedder:
+    dim = 2
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def embed(self, texts: list[str]) -> torch.Tensor:
+        self.texts += texts
+        return torch.tensor([[float(len(t)), 1.0] for t in texts])  # [N, D]
+
+
+def test_source_turn_scorer_embeds_each_turn_once_and_ignores_unknown_ids(tmp_path):
+    (task, *_) = load_locomo(write_locomo(tmp_path), LoCoMoSettings())
+    conversation, embedder = conversation_of(task), _CountingEmbedder()
+    scorer, query = SourceTurnScorer(embedder), torch.tensor([0.0, 1.0])  # every turn scores 1.0
+    torch.testing.assert_close(scorer(query, conversation, [["D1:1", "D9:9"], ["D9:9"]]), torch.tensor([1.0, 0.0]))
+    scorer(torch.tensor([1.0, 0.0]), conversation, [["D1:1", "D1:2"]])
+    by_id = {t.dia_id: t for s in conversation.sessions for t in s.turns}
+    assert embedder.texts == [f"{by_id[i].speaker}: {by_id[i].text}" for i in ("D1:1", "D1:2")]  # D1:1 once
 
 
 def test_the_first_stage_weight_rises_when_the_first_stage_order_is_rewarded():
@@ -202,6 +241,27 @@ def test_with_a_large_first_stage_weight_the_workflow_keeps_the_first_stage_orde
         workflow.reranker.first_stage_weight.zero_()  # back to the identity: the embeddings' order
         (plain,) = workflow.rollout(engine, [tasks[3]], GREEDY)
     assert [score[i] for i in plain.info["shown_ids"]] != best
+
+
+def test_with_a_large_source_turn_weight_the_workflow_shows_the_best_matching_dialogue(tasks, tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, reply)
+    workflow = RMMWorkflow(top_k=5, top_m=2, source_turn_feature=True, embedding="hashing")
+    workflow.frozen_engine = engine
+    with torch.no_grad():
+        workflow.reranker.source_turn_weight.fill_(1e3)
+        (trajectory,) = workflow.rollout(engine, [tasks[3]], GREEDY)  # "Who teaches Ben?"
+    (bank,) = workflow._bank_cache.values()
+    by_id = {t.dia_id: t for s in conversation_of(tasks[3]).sessions for t in s.turns}
+    query = workflow.embedder.embed([tasks[3].question])[0]
+    best_turn = {}  # by hand: each candidate's best source turn, embedded apart from the scorer
+    for entry, _ in bank.retrieve(tasks[3].question, 5, None):
+        texts = [f"{by_id[i].speaker}: {by_id[i].text}" for i in entry.source_ids if i in by_id]
+        best_turn[entry.id] = float((workflow.embedder.embed(texts) @ query).max())
+    assert [best_turn[i] for i in trajectory.info["shown_ids"]] == sorted(best_turn.values(), reverse=True)[:2]
+    with torch.no_grad():
+        workflow.reranker.source_turn_weight.fill_(-1e3)  # the weight's sign decides: now the worst matches
+        (worst,) = workflow.rollout(engine, [tasks[3]], GREEDY)
+    assert sorted(best_turn[i] for i in worst.info["shown_ids"]) == sorted(best_turn.values())[:2]
 
 
 class _Scripted(L.Callback):

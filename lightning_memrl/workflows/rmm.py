@@ -1,29 +1,25 @@
-"""RMM, Reflective Memory Management (arXiv:2503.08026): prospective reflection into topic memories, a
-learned reranker.
+"""RMM, Reflective Memory Management (arXiv:2503.08026): reflection into topic memories, a learned reranker.
 
-Prospective reflection: after each session (segment) the model summarises the topics discussed;
-each topic memory is added to the bank, or merged into one of the ``merge_top_k`` most similar
-entries when the model says so. An entry is the topic summary plus the source turns it came
-from (shown with it when ``show_raw``).
+Prospective reflection: after each session (segment) the model summarises the topics discussed; each topic
+memory is added to the bank, or merged into one of the ``merge_top_k`` most similar entries when the model says
+so. An entry is the topic summary plus the source turns it came from (shown with it when ``show_raw``).
 
-Retrospective reflection: for a question, retrieval returns the top ``top_k`` entries (K); a
-:class:`Reranker` — linear adapters with residual connections over query and memory embeddings,
-dot-product scores — keeps ``top_m`` of them (M), sampled with Gumbel noise during training and
-the best M at evaluation. During training the M memories are shown in a random order
-(``shuffle_shown``), so that citing "the first two" does not reward the reranker's top picks. The
-generator answers and cites the memories it used; each shown memory gets a citation reward (+1
-cited, −1 not), and the reranker is trained by REINFORCE,
-``loss = −Σ_i (r_i − b)·log softmax(s/τ)_i`` with a running-mean baseline ``b``. That loss is the
-workflow's :meth:`module_loss`: ``MemRLModule`` backpropagates it in the same training step, and
-the reranker is registered as a module, so its parameters are in the optimizer and the checkpoint.
-The answer turns themselves are trained by GRPO like any other turn (``train_generator``).
-``reranker_reward: evidence`` replaces the citation reward by one read from the data's evidence
-annotations (not RMM's, see :class:`RMMWorkflow`).
+Retrospective reflection: for a question, retrieval returns the top ``top_k`` entries (K); a :class:`Reranker` —
+linear adapters with residual connections over query and memory embeddings, dot-product scores — keeps ``top_m``
+of them (M), sampled with Gumbel noise during training and the best M at evaluation. During training the M
+memories are shown in a random order (``shuffle_shown``), so that citing "the first two" does not reward the
+reranker's top picks. The generator answers and cites the memories it used; each shown memory gets a citation
+reward (+1 cited, −1 not), and the reranker is trained by REINFORCE, ``loss = −Σ_i (r_i − b)·log
+softmax(s/τ)_i`` with a running-mean baseline ``b``. That loss is the workflow's :meth:`module_loss`:
+``MemRLModule`` backpropagates it in the same training step, and the reranker is registered as a module, so its
+parameters are in the optimizer and the checkpoint. The answer turns themselves are trained by GRPO like any
+other turn (``train_generator``). ``reranker_reward: evidence`` replaces the citation reward by one read from
+the data's evidence annotations (not RMM's, see :class:`RMMWorkflow`).
 
-Prospective reflection is never trained: it runs greedily on the workflow's ``frozen_engine`` (a
-model that does not train, see :mod:`lightning_memrl.workflows.bank`), once per conversation, and
-the bank is cached; a log line names the model that built it. The generator is the policy when
-``train_generator``; otherwise nothing trains the policy and it serves as the fixed model.
+Prospective reflection is never trained: it runs greedily on the workflow's ``frozen_engine`` (a model that does
+not train, see :mod:`lightning_memrl.workflows.bank`), once per conversation, and the bank is cached; a log line
+names the model that built it. The generator is the policy when ``train_generator``; otherwise nothing trains
+the policy and it serves as the fixed model.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from lightning_memrl.workflows.bank import BankWorkflow, answer_part, conversati
 from lightning_memrl.workflows.rmm_reranker import (
     RERANKER_REWARDS,
     Reranker,
+    SourceTurnScorer,
     citation_rewards,
     evidence_rewards,
     gumbel_top_m,
@@ -116,18 +113,18 @@ class RMMWorkflow(BankWorkflow):
             numbers does not reward the reranker's top picks. Evaluation keeps the reranker's order.
         min_retrieval_score: first-stage candidates must score above it (None: no cut, the top
             ``top_k`` are always filled; 0.0 drops entries sharing no term with the question under BM25).
-        reranker_reward: what rewards a shown memory in the reranker's REINFORCE update. ``citation``
-            (RMM): +1 when the generator cites it, −1 otherwise. ``evidence`` (NOT RMM's): +1 when its
-            source turns overlap the question's annotated evidence ``dia_id``s, −1 otherwise, a supervised
-            signal from LoCoMo's annotations, useful when the generator is too small to cite; results
-            with it are not RMM's. Questions without evidence then give the reranker no loss (counted
-            in ``reranker/no_evidence``). Validation is the same for both (evidence recall).
+        reranker_reward: what rewards a shown memory in the reranker's REINFORCE update. ``citation`` (RMM): +1
+            when the generator cites it, −1 otherwise. ``evidence`` (NOT RMM's): +1 when its source turns overlap
+            the question's annotated evidence ``dia_id``s, −1 otherwise, a supervised signal from LoCoMo's
+            annotations for a generator too small to cite; results with it are not RMM's. Questions without
+            evidence then give the reranker no loss (``reranker/no_evidence``). Validation is the same for both.
         embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra):
             the reranker's vectors, and those of ``retriever: dense``.
         embedding_dim: size of ``hashing`` embeddings.
         embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
         reranker_lr: learning rate of the reranker's parameters.
         first_stage_feature: (not in RMM) also a learned weight on the first-stage scores (see :class:`Reranker`).
+        source_turn_feature: (not in RMM) also a learned weight on each candidate's best source-turn match.
         baseline_momentum: running-mean factor of the REINFORCE baseline ``b``.
         train_generator: train the answer turns with GRPO (else only the reranker learns).
         show_raw: show each memory's source turns to the generator under its summary.
@@ -159,6 +156,7 @@ class RMMWorkflow(BankWorkflow):
         embedding_model: str | None = None,
         reranker_lr: float = 1e-3,
         first_stage_feature: bool = False,
+        source_turn_feature: bool = False,
         baseline_momentum: float = 0.9,
         train_generator: bool = True,
         show_raw: bool = True,
@@ -187,7 +185,8 @@ class RMMWorkflow(BankWorkflow):
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
         )
-        self.reranker = Reranker(self.embedder.dim, first_stage_feature)
+        self.reranker = Reranker(self.embedder.dim, first_stage_feature, source_turn_feature)
+        self.source_turns = SourceTurnScorer(self.embedder) if source_turn_feature else None
         self.module_lr = reranker_lr
         self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
         self.temperature, self.gumbel = temperature, gumbel
@@ -299,11 +298,13 @@ class RMMWorkflow(BankWorkflow):
             candidates = [e for e, _ in retrieved]
             trajectory.info["candidate_source_ids"] = sorted({s for e in candidates for s in e.source_ids})
             shown: list[MemoryEntry] = []
-            selection = None
+            selection, conversation = None, conversation_of(trajectory.task)
             if candidates:
                 query = self.embedder.embed([trajectory.task.question])[0].to(device)  # [D]
                 memories = self.embedder.embed([e.text for e in candidates]).to(device)  # [K, D]
-                scores = self.reranker(query, memories, torch.tensor([s for _, s in retrieved]))  # [K]
+                source = [e.source_ids for e in candidates]
+                turns = self.source_turns(query, conversation, source) if self.source_turns else None  # [K]
+                scores = self.reranker(query, memories, torch.tensor([s for _, s in retrieved]), turns)  # [K]
                 chosen = gumbel_top_m(scores, self.top_m, self.temperature, noise=training and self.gumbel)
                 selection, shown = (scores, chosen), [candidates[i] for i in chosen.tolist()]
             self._selections.append(selection)
@@ -313,7 +314,6 @@ class RMMWorkflow(BankWorkflow):
             sources = [e.source_ids for e in shown]
             trajectory.info["shown_order"] = order
             trajectory.info["evidence_rewards"] = evidence_rewards(sources, evidence).tolist() if evidence else None
-            conversation = conversation_of(trajectory.task)
             lines = [self._render(j + 1, shown[i], conversation) for j, i in enumerate(order)]
             rendered.append("\n".join(lines) or "(no memories)")
         return rendered

@@ -26,17 +26,23 @@ RERANKER_REWARDS = ("citation", "evidence")
 class Reranker(nn.Module):
     """Scores ``s_k = (m_k + A_m m_k) · (q + A_q q)``: residual linear adapters, identity at start.
 
-    With ``first_stage_feature`` (not in RMM) also ``+ w · z_k``: ``z`` the candidates' first-stage scores
-    (e.g. BM25) standardised over the K candidates, ``w`` a learned scalar starting at 0, so the reranker
-    still starts as the identity and can learn how far to trust the first stage's order, a feature that
-    does not depend on what one conversation is about.
+    Two optional terms, not in RMM, each a learned scalar weight (0 at start, so the reranker still starts as
+    the identity) on a per-candidate score standardised over the K candidates; neither depends on what one
+    conversation is about, so what they learn can carry over to conversations the reranker never saw:
+
+    - ``first_stage_feature``: ``+ w_f · z(f)_k``, ``f`` the first-stage scores (e.g. BM25): how far to trust
+      the first stage's order.
+    - ``source_turn_feature``: ``+ w_t · z(t)_k``, ``t_k = max_j e(turn_j) · q`` over the memory's source
+      dialogue turns (:func:`source_turn_scores`): how well its raw dialogue, not only its summary, matches
+      the question. RMM's memories are (topic summary, raw segment) pairs; the adapters see only the summary.
 
     Args:
         dim: embedding size.
         first_stage_feature: add the learned first-stage term.
+        source_turn_feature: add the learned source-turn term.
     """
 
-    def __init__(self, dim: int, first_stage_feature: bool = False) -> None:
+    def __init__(self, dim: int, first_stage_feature: bool = False, source_turn_feature: bool = False) -> None:
         super().__init__()
         self.query_adapter = nn.Linear(dim, dim)
         self.memory_adapter = nn.Linear(dim, dim)
@@ -44,18 +50,68 @@ class Reranker(nn.Module):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
         self.first_stage_weight = nn.Parameter(torch.zeros(())) if first_stage_feature else None
+        self.source_turn_weight = nn.Parameter(torch.zeros(())) if source_turn_feature else None
 
-    def forward(self, query: Tensor, memories: Tensor, first_stage: Tensor | None = None) -> Tensor:
-        """``query`` [D], ``memories`` [K, D], ``first_stage`` scores [K] (used with ``first_stage_feature``)
-        -> scores [K]."""
+    def forward(
+        self, query: Tensor, memories: Tensor, first_stage: Tensor | None = None, source_turns: Tensor | None = None
+    ) -> Tensor:
+        """``query`` [D], ``memories`` [K, D], ``first_stage`` and ``source_turns`` scores [K] (used with their
+        features) -> scores [K]."""
         q = query + self.query_adapter(query)  # [D]
         m = memories + self.memory_adapter(memories)  # [K, D]
         scores = m @ q  # [K]
-        if self.first_stage_weight is None:
-            return scores
-        if first_stage is None:
-            raise ValueError("a Reranker with first_stage_feature needs the candidates' first-stage scores")
-        return scores + self.first_stage_weight * standardised(first_stage.to(scores))
+        for name, weight, values in (
+            ("first-stage", self.first_stage_weight, first_stage),
+            ("source-turn", self.source_turn_weight, source_turns),
+        ):
+            if weight is None:
+                continue
+            if values is None:
+                raise ValueError(f"a Reranker with the {name} feature needs the candidates' {name} scores")
+            scores = scores + weight * standardised(values.to(scores))
+        return scores
+
+
+def source_turn_scores(query: Tensor, turn_vectors: Sequence[Tensor]) -> Tensor:
+    """``t_k = max_j v_kj · query``: each candidate's best-matching source turn -> [K].
+
+    Args:
+        query: the question's embedding [D].
+        turn_vectors: per candidate, the embeddings of its source turns [T_k, D] (0 rows: ``t_k`` = 0).
+    """
+    return torch.stack([(v.to(query) @ query).max() if len(v) else query.new_zeros(()) for v in turn_vectors])  # [K]
+
+
+class SourceTurnScorer:
+    """:func:`source_turn_scores` of a question's candidates from the dialogue turns they came from.
+
+    Each turn (``"speaker: text"``) is embedded once per conversation and cached, so the K candidates of
+    every later question cost no new embedding of turns already seen.
+
+    Args:
+        embedder: the reranker's embedder (``embed(texts) -> [N, D]``).
+    """
+
+    def __init__(self, embedder: Any) -> None:
+        self.embedder = embedder
+        self._vectors: dict[tuple[str, str], Tensor] = {}  # (conversation id, dia_id) -> [D]
+
+    def __call__(self, query: Tensor, conversation: Any, sources: Sequence[Sequence[str]]) -> Tensor:
+        """``query`` [D], ``conversation`` (a :class:`~lightning_memrl.data.locomo.Conversation`), each
+        candidate's source ``dia_id``s -> scores [K]; ids that name no turn of the conversation are ignored."""
+        turns = {t.dia_id: t for session in conversation.sessions for t in session.turns}
+        missing = sorted(
+            {i for ids in sources for i in ids if i in turns and (conversation.id, i) not in self._vectors}
+        )
+        if missing:
+            vectors = self.embedder.embed([f"{turns[i].speaker}: {turns[i].text}" for i in missing])  # [N, D]
+            self._vectors.update({(conversation.id, i): v for i, v in zip(missing, vectors)})
+
+        def stacked(ids: Sequence[str]) -> Tensor:  # [T_k, D]
+            rows = [self._vectors[(conversation.id, i)] for i in ids if i in turns]
+            return torch.stack(rows) if rows else query.new_zeros((0, query.numel()))
+
+        return source_turn_scores(query, [stacked(ids) for ids in sources])
 
 
 def standardised(values: Tensor) -> Tensor:
