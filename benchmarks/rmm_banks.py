@@ -21,7 +21,7 @@ from lightning_memrl.workflows.rmm import RMMWorkflow
 
 
 def load_tasks(args: argparse.Namespace) -> dict[str, list[Any]]:
-    """The tasks of each conversation in ``--conversations`` under the session and question caps."""
+    """The tasks of each conversation in ``--conversations`` and ``--held_apart`` under the caps."""
     settings = LoCoMoSettings(
         max_sessions=args.max_sessions or None, max_questions=args.max_questions or None, conversations=None
     )
@@ -30,7 +30,9 @@ def load_tasks(args: argparse.Namespace) -> dict[str, list[Any]]:
         settings.conversations = [conversation]
         tasks[conversation] = load_locomo(args.locomo, settings)
         if not tasks[conversation]:
-            raise SystemExit(f"--conversations {conversation}: no question of {args.locomo} kept under the caps")
+            raise SystemExit(
+                f"{conversation}: no question of {args.locomo} kept under --max_sessions / --max_questions"
+            )
     return tasks
 
 

@@ -273,7 +273,9 @@ def hand_set(dim: int, args: argparse.Namespace) -> Reranker:
     return reranker
 
 
-def evaluate_held_apart(args: argparse.Namespace, data: dict[str, list[Question]], held: list[Question], runs) -> dict:
+def evaluate_held_apart(
+    args: argparse.Namespace, data: dict[str, list[Question]], held: list[Question], runs: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The (lr, steps) of the best mean leave-one-out gain, trained on every question of ``data`` (each seed),
     evaluated on the held-apart questions against the identity, the first stage's order and its top K."""
     best = max(runs, key=lambda row: row["mean_gain"])
