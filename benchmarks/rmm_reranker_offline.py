@@ -111,6 +111,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="the reranker also learns a weight on each candidate's best source-turn match (not RMM; starts at 0)",
     )  # fmt: skip
     p.add_argument(
+        "--feature_lr_scale", type=float, default=1.0, help="learning-rate multiplier of the feature weights"
+    )
+    p.add_argument(
         "--weight_decay", type=float, default=0.0, help="AdamW weight decay (pulls the adapters to identity)"
     )
     p.add_argument("--baseline_momentum", type=float, default=0.9, help="running-mean factor of the baseline")
@@ -138,6 +141,7 @@ def workflow_of(args: argparse.Namespace) -> RMMWorkflow:
     options.pop("judge", None)
     options.update(embedding=args.embedding, top_k=args.top_k, top_m=args.top_m, temperature=args.temperature)
     options.update(first_stage_feature=args.first_stage_feature, source_turn_feature=args.source_turn_feature)
+    options.update(feature_lr_scale=args.feature_lr_scale)
     options["train_generator"] = False  # the base model reflects; nothing here trains it
     return RMMWorkflow(**options)
 
@@ -206,7 +210,8 @@ def supervised_step_loss(reranker: Reranker, batch: list[Question], args: argpar
 def train_reranker(questions: list[Question], lr: float, steps: int, seed: int, args: argparse.Namespace) -> Reranker:
     """A fresh reranker after ``steps`` steps of ``--objective`` (REINFORCE: as the workflow trains it online)."""
     torch.manual_seed(seed)
-    reranker = Reranker(questions[0].query.numel(), args.first_stage_feature, args.source_turn_feature)
+    dim = questions[0].query.numel()
+    reranker = Reranker(dim, args.first_stage_feature, args.source_turn_feature, args.feature_lr_scale)
     optimizer = torch.optim.AdamW(reranker.parameters(), lr=lr, weight_decay=args.weight_decay)
     baseline, order = 0.0, []
     for _ in range(steps):
@@ -265,11 +270,11 @@ def sweep(args: argparse.Namespace, data: dict[str, list[Question]]) -> list[dic
 def hand_set(dim: int, args: argparse.Namespace) -> Reranker:
     """The untrained reranker with each optional feature's weight set to 1 by hand: what the features give
     without learning (the identity when there is none)."""
-    reranker = Reranker(dim, args.first_stage_feature, args.source_turn_feature)
+    reranker = Reranker(dim, args.first_stage_feature, args.source_turn_feature, args.feature_lr_scale)
     with torch.no_grad():
         for weight in (reranker.first_stage_weight, reranker.source_turn_weight):
             if weight is not None:
-                weight.fill_(1.0)
+                weight.fill_(1.0 / args.feature_lr_scale)  # the weight the scores see: 1
     return reranker
 
 

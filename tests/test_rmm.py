@@ -131,6 +131,25 @@ def test_source_turn_scorer_embeds_each_turn_once_and_ignores_unknown_ids(tmp_pa
     assert embedder.texts == [f"{by_id[i].speaker}: {by_id[i].text}" for i in ("D1:1", "D1:2")]  # D1:1 once
 
 
+def test_feature_lr_scale_multiplies_the_weight_and_its_adam_step():
+    query, memories = torch.tensor([1.0, 0.0]), torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # dot products 1, 0
+    turns = torch.tensor([0.0, 2.0])  # standardised: -1, +1
+    steps = {}
+    for scale in (1.0, 30.0):
+        reranker = Reranker(2, source_turn_feature=True, feature_lr_scale=scale)
+        with torch.no_grad():
+            reranker.source_turn_weight.fill_(0.1)
+        torch.testing.assert_close(reranker(query, memories, None, turns), torch.tensor([1 - 0.1 * scale, 0.1 * scale]))
+        optimizer = torch.optim.Adam([reranker.source_turn_weight], lr=0.01)
+        (-reranker(query, memories, None, turns)[1]).backward()  # descend: raise the second memory's score
+        optimizer.step()
+        steps[scale] = scale * float(reranker.source_turn_weight) - scale * 0.1  # change of the weight scores see
+    # Adam's first step moves the parameter by lr whatever its gradient: the effective weight by scale x lr
+    assert steps[1.0] == pytest.approx(0.01, rel=1e-3) and steps[30.0] == pytest.approx(0.3, rel=1e-3)
+    with pytest.raises(ValueError, match="feature_lr_scale must be > 0"):
+        RMMWorkflow(feature_lr_scale=0.0)
+
+
 def test_the_first_stage_weight_rises_when_the_first_stage_order_is_rewarded():
     torch.manual_seed(0)
     reranker = Reranker(4, first_stage_feature=True)

@@ -118,13 +118,13 @@ class RMMWorkflow(BankWorkflow):
             the question's annotated evidence ``dia_id``s, −1 otherwise, a supervised signal from LoCoMo's
             annotations for a generator too small to cite; results with it are not RMM's. Questions without
             evidence then give the reranker no loss (``reranker/no_evidence``). Validation is the same for both.
-        embedding: ``hashing`` (offline, no weights) or ``sentence-transformers`` (the ``dense`` extra):
-            the reranker's vectors, and those of ``retriever: dense``.
+        embedding: ``hashing`` (offline) or ``sentence-transformers`` (``dense`` extra): the reranker's vectors.
         embedding_dim: size of ``hashing`` embeddings.
         embedding_model: sentence-transformers model path (None: the bundled all-MiniLM-L6-v2).
         reranker_lr: learning rate of the reranker's parameters.
         first_stage_feature: (not in RMM) also a learned weight on the first-stage scores (see :class:`Reranker`).
         source_turn_feature: (not in RMM) also a learned weight on each candidate's best source-turn match.
+        feature_lr_scale: learning-rate multiplier of those feature weights (see :class:`Reranker`).
         baseline_momentum: running-mean factor of the REINFORCE baseline ``b``.
         train_generator: train the answer turns with GRPO (else only the reranker learns).
         show_raw: show each memory's source turns to the generator under its summary.
@@ -157,6 +157,7 @@ class RMMWorkflow(BankWorkflow):
         reranker_lr: float = 1e-3,
         first_stage_feature: bool = False,
         source_turn_feature: bool = False,
+        feature_lr_scale: float = 1.0,
         baseline_momentum: float = 0.9,
         train_generator: bool = True,
         show_raw: bool = True,
@@ -177,21 +178,20 @@ class RMMWorkflow(BankWorkflow):
         )
         if not 1 <= top_m <= top_k:
             raise ValueError(f"workflow needs 1 <= top_m <= top_k, got top_m={top_m}, top_k={top_k}")
-        if temperature <= 0 or not 0 <= baseline_momentum < 1:
-            raise ValueError("workflow temperature must be > 0 and baseline_momentum in [0, 1)")
+        if temperature <= 0 or not 0 <= baseline_momentum < 1 or feature_lr_scale <= 0:
+            raise ValueError("workflow temperature and feature_lr_scale must be > 0 and baseline_momentum in [0, 1)")
         if reranker_reward not in RERANKER_REWARDS:
             raise ValueError(f"workflow reranker_reward must be one of {RERANKER_REWARDS}, got {reranker_reward!r}")
         check_placeholders(
             ("reflect_template", reflect_template, ("{dialogue}",)),
             ("merge_template", merge_template, ("{memories}", "{memory}")),
         )
-        self.reranker = Reranker(self.embedder.dim, first_stage_feature, source_turn_feature)
+        self.reranker = Reranker(self.embedder.dim, first_stage_feature, source_turn_feature, feature_lr_scale)
         self.source_turns = SourceTurnScorer(self.embedder) if source_turn_feature else None
-        self.module_lr = reranker_lr
-        self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
+        self.module_lr, self.reranker_reward = reranker_lr, reranker_reward
         self.temperature, self.gumbel = temperature, gumbel
+        self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
         self.shuffle_shown, self.min_retrieval_score = shuffle_shown, min_retrieval_score
-        self.reranker_reward = reranker_reward
         self.baseline_momentum, self.baseline = baseline_momentum, 0.0
         self.train_generator, self.show_raw = train_generator, show_raw
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens

@@ -36,13 +36,24 @@ class Reranker(nn.Module):
       dialogue turns (:func:`source_turn_scores`): how well its raw dialogue, not only its summary, matches
       the question. RMM's memories are (topic summary, raw segment) pairs; the adapters see only the summary.
 
+    Each weight is ``feature_lr_scale · θ`` with ``θ`` the stored parameter: Adam moves ``θ`` by about the learning
+    rate a step whatever its gradient's size, so the scale is a learning-rate multiplier for the few feature
+    weights against the adapters' 2·(D² + D) entries, whose drift otherwise competes with them.
+
     Args:
         dim: embedding size.
         first_stage_feature: add the learned first-stage term.
         source_turn_feature: add the learned source-turn term.
+        feature_lr_scale: the feature weights' learning-rate multiplier.
     """
 
-    def __init__(self, dim: int, first_stage_feature: bool = False, source_turn_feature: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        first_stage_feature: bool = False,
+        source_turn_feature: bool = False,
+        feature_lr_scale: float = 1.0,
+    ) -> None:
         super().__init__()
         self.query_adapter = nn.Linear(dim, dim)
         self.memory_adapter = nn.Linear(dim, dim)
@@ -51,6 +62,7 @@ class Reranker(nn.Module):
             nn.init.zeros_(layer.bias)
         self.first_stage_weight = nn.Parameter(torch.zeros(())) if first_stage_feature else None
         self.source_turn_weight = nn.Parameter(torch.zeros(())) if source_turn_feature else None
+        self.feature_lr_scale = feature_lr_scale
 
     def forward(
         self, query: Tensor, memories: Tensor, first_stage: Tensor | None = None, source_turns: Tensor | None = None
@@ -68,7 +80,7 @@ class Reranker(nn.Module):
                 continue
             if values is None:
                 raise ValueError(f"a Reranker with the {name} feature needs the candidates' {name} scores")
-            scores = scores + weight * standardised(values.to(scores))
+            scores = scores + self.feature_lr_scale * weight * standardised(values.to(scores))
         return scores
 
 
