@@ -83,8 +83,8 @@ def add_split_options(p: argparse.ArgumentParser, arms: list[str], out: Path, wo
     p.add_argument("--arms", nargs="+", default=arms, choices=arms, help="arms to run (default: all)")
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct", help="hub id, folder or tiny")
     p.add_argument("--dtype", default="auto", help="model.init_args.dtype of every run")
-    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation")
-    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation")
+    p.add_argument("--max_sessions", type=int, default=2, help="sessions read per training conversation (0: all)")
+    p.add_argument("--max_questions", type=int, default=8, help="questions per training conversation (0: all)")
     p.add_argument("--val_sessions", type=int, default=None, help="sessions of the held-apart one (default: as train)")
     p.add_argument("--val_questions", type=int, default=None, help="its questions (default: as --max_questions)")
     p.add_argument("--seed", type=int, default=0, help="seed_everything of every run")
@@ -126,8 +126,8 @@ def _data_args(args: argparse.Namespace, prefix: str, conversations: list[str]) 
     sessions, questions = _val_caps(args) if prefix == "locomo_val" else (args.max_sessions, args.max_questions)
     return [
         f"{d}conversations", json.dumps(conversations),
-        f"{d}max_sessions", str(sessions),
-        f"{d}max_questions", str(questions),
+        f"{d}max_sessions", str(sessions or "null"),  # 0: every session
+        f"{d}max_questions", str(questions or "null"),
     ]  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def _grpo_args(args: argparse.Namespace, root: Path, stage: str, start: Path | N
         "--data.init_args.locomo_val_conversations", "0",
         *_data_args(args, "locomo_val", [args.held_apart]),
         "--data.init_args.batch_size", str(args.questions_per_step),
-        "--data.init_args.val_batch_size", str(_val_caps(args)[1]),
+        "--data.init_args.val_batch_size", str(_val_caps(args)[1] or 100_000),  # 0: every question
         f"{P}workflow.init_args.stage", stage,
     ]  # fmt: skip
     for option, path in (("adapter_name_or_path", start), ("frozen_adapter_name_or_path", frozen)):

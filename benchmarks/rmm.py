@@ -81,6 +81,15 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=24, help="optimizer steps of each trained arm")
     p.add_argument("--questions_per_step", type=int, default=4, help="questions per step (x group_size)")
     p.add_argument("--reranker_lr", type=float, default=None, help="reranker learning rate (default: the config's)")
+    p.add_argument("--top_k", type=int, default=None, help="first-stage candidates K of the rerankers")
+    p.add_argument(
+        "--source_turn_feature", action="store_true",
+        help="the trained arms also learn the source-turn feature (not RMM; its weight starts at 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bank_cache", type=Path, default=None,
+        help="workflow bank_cache of every run: the reflection's banks are built once and read after",
+    )  # fmt: skip
     return p.parse_known_args(argv)
 
 
@@ -93,15 +102,19 @@ def run_args(args: argparse.Namespace, root: Path, arm: str) -> list[str]:
         "--data.init_args.locomo_val_conversations", "0",
         *_data_args(args, "locomo_val", [args.held_apart]),
         "--data.init_args.batch_size", str(args.questions_per_step),
-        "--data.init_args.val_batch_size", str(_val_caps(args)[1]),
+        "--data.init_args.val_batch_size", str(_val_caps(args)[1] or 100_000),  # 0: every question
         f"{W}embedding", args.embedding,
         f"{W}top_m", str(args.recall_k),
         f"{W}train_generator", "false",
     ]  # fmt: skip
     if first_stage is not None:  # the first stage alone: it retrieves exactly the memories shown
         out += [f"{W}retriever", first_stage, f"{W}top_k", str(args.recall_k)]
+    elif args.top_k is not None:
+        out += [f"{W}top_k", str(args.top_k)]
     if reward is not None:
-        out += [f"{W}reranker_reward", reward]
+        out += [f"{W}reranker_reward", reward, f"{W}source_turn_feature", str(args.source_turn_feature).lower()]
+    if args.bank_cache is not None:
+        out += [f"{W}bank_cache", str(args.bank_cache.resolve())]
     if args.reranker_lr is not None:
         out += [f"{W}reranker_lr", str(args.reranker_lr)]
     return out
@@ -158,6 +171,8 @@ def caps(args: argparse.Namespace) -> dict[str, Any]:
         "group_size": "configs/shared/locomo_grpo.yaml (2)",
         "embedding": args.embedding,
         "reranker_lr": args.reranker_lr or "configs/rmm/locomo.yaml (1e-3)",
+        "top_k": args.top_k or "configs/rmm/locomo.yaml (10)",
+        "source_turn_feature": args.source_turn_feature,
     }
 
 

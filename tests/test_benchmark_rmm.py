@@ -21,7 +21,8 @@ def test_every_arm_is_validated_on_the_held_apart_conversation_and_finished_arms
         "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",
         "--model", "tiny", "--dtype", "float32", "--max_sessions", "1", "--steps", "1",
         "--questions_per_step", "2", "--recall_k", "2", "--reranker_lr", "0.1",
-        "--out", str(out), "--work", str(work), "--in_process",
+        "--out", str(out), "--work", str(work), "--in_process", "--top_k", "3", "--source_turn_feature",
+        "--bank_cache", str(tmp_path / "banks.json"),
         "--model.init_args.generation.max_new_tokens=8",
         "--model.init_args.workflow.init_args.reflect_max_tokens=24",
         "--model.init_args.workflow.init_args.merge_max_tokens=12",
@@ -38,9 +39,19 @@ def test_every_arm_is_validated_on_the_held_apart_conversation_and_finished_arms
     assert "retriever bm25 --model.init_args.workflow.init_args.top_k 2" in results["bm25"]["eval_command"]
     assert "retriever dense --model.init_args.workflow.init_args.top_k 2" in results["dense"]["eval_command"]
     assert results["identity"]["fit"] is None and "--ckpt_path" not in results["identity"]["eval_command"]
+    assert "top_k 3" in results["identity"]["eval_command"]  # the rerankers' K
+    assert all("bank_cache banks.json" in r["eval_command"] for r in results.values())  # cwd: tmp_path
+    stored = json.loads((tmp_path / "banks.json").read_text())["banks"].values()
+    # one bank per (conversation, first stage): merges retrieve with it, so the dense arm's banks are its own
+    assert sorted((e["conversation"], e["recipe"]["options"]["retriever"]) for e in stored) == [
+        ("conv-a", "bm25"),
+        ("conv-b", "bm25"),
+        ("conv-b", "dense"),
+    ]
     for arm, reward in (("reranker_citation", "citation"), ("reranker_evidence", "evidence")):
         fit = results[arm]["fit"]
         assert f"reranker_reward {reward}" in fit["command"] and "train_generator false" in fit["command"]
+        assert "source_turn_feature true" in fit["command"] and "top_k 3" in fit["command"]
         assert fit["steps"] == 1 and fit["fit_wall_s"] > 0 and "--ckpt_path" in results[arm]["eval_command"]
         assert all(isinstance(fit[f"mean train/{name}"], float) for name in bench.FIT_METRICS)
     # the validated checkpoint holds the trained reranker (the tiny model writes no topics, so it has not moved:

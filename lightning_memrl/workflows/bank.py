@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from lightning_memrl.errors import DataError, check_placeholders
 from lightning_memrl.evaluation.judge import LLMJudge
 from lightning_memrl.evaluation.metrics import evidence_recall
 from lightning_memrl.memory.bank import MemoryBank, MemoryEntry
+from lightning_memrl.memory.bank_cache import BankCacheFile, bank_recipe
 from lightning_memrl.memory.embedders import Embedder, build_embedder
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.frozen import engine_description
@@ -147,7 +149,14 @@ class BankWorkflow(Workflow):
         max_batch: most prompts per ``generate`` call.
         system_prompt: optional system message of every turn.
         judge: optional LLM judge scoring validation answers (``judge`` in the report).
+        bank_cache: a JSON file that keeps the banks a model which does not train builds, across runs
+            (:class:`~lightning_memrl.memory.bank_cache.BankCacheFile`; keyed by the model, the options that
+            shape a bank and the conversation's content). None: banks live in memory and in checkpoints only.
+            Only workflows whose ``caches_banks_to_file`` is true take it (RMM).
     """
+
+    caches_banks_to_file = False  # True where a bank depends only on bank_options(), the model and the conversation
+    bank_option_names: tuple[str, ...] = ("retriever", "turns_per_segment", "embedding_options", "system_prompt")
 
     def __init__(
         self,
@@ -160,10 +169,15 @@ class BankWorkflow(Workflow):
         embedding: str = "hashing",
         embedding_dim: int = 256,
         embedding_model: str | None = None,
+        bank_cache: str | None = None,
     ) -> None:
         check_placeholders(("answer_template", answer_template, ("{memories}", "{question}")))
         if turns_per_segment < 0 or max_batch < 1:
             raise ValueError("workflow turns_per_segment must be >= 0 and max_batch >= 1")
+        if bank_cache is not None and not self.caches_banks_to_file:
+            raise ValueError(f"workflow bank_cache: {type(self).__name__} does not keep its banks in a file; remove it")
+        self.bank_cache = BankCacheFile(bank_cache) if bank_cache is not None else None
+        self.embedding_options = {"embedding": embedding, "embedding_dim": embedding_dim, "model": embedding_model}
         self.retriever = retriever
         MemoryBank(retriever)  # fail early on a bad retriever name
         self.embedder: Embedder = build_embedder(embedding, embedding_dim, embedding_model)
@@ -268,9 +282,7 @@ class BankWorkflow(Workflow):
         if self.banks_are_frozen() or evaluating:
             missing = list({c.id: c for c in conversations if c.id not in self._bank_cache}.values())
             if missing:
-                built = self.build_banks(engine, missing, settings.greedy(), trainable=False)
-                for conversation, (bank, _) in zip(missing, built):
-                    self._bank_cache[conversation.id] = bank
+                self.build_greedy_banks(engine, missing, settings.greedy(), from_file=self.banks_are_frozen())
             banks = [self._bank_cache[c.id] for c in conversations]
         else:
             self.policy_will_change()  # greedy banks the policy built go stale
@@ -283,6 +295,35 @@ class BankWorkflow(Workflow):
             trajectory.info["bank_size"] = len(bank)
         self.answer(engine, trajectories, banks, settings)
         return trajectories
+
+    def build_greedy_banks(
+        self, engine: RolloutBackend, conversations: list[Conversation], settings: GenerationSettings, from_file: bool
+    ) -> list[MemoryBank]:
+        """Greedy banks into memory: from ``bank_cache`` when ``from_file`` and it has them, else built (and stored)."""
+        file = self.bank_cache if from_file else None
+        recipe = self.bank_recipe(engine, settings) if file is not None else {}
+        stored = {c.id: file.get(recipe, c) for c in conversations} if file is not None else {}
+        todo = [c for c in conversations if stored.get(c.id) is None]
+        for conversation in (c for c in conversations if stored.get(c.id) is not None):
+            self._bank_cache[conversation.id] = bank = self.new_bank()
+            bank.load_state_dict(stored[conversation.id])
+        if file is not None:
+            log.info("%d of %d banks read from %s", len(conversations) - len(todo), len(conversations), file.path)
+        if todo:
+            start = time.perf_counter()
+            built = [bank for bank, _ in self.build_banks(engine, todo, settings, trainable=False)]
+            self._bank_cache.update({c.id: bank for c, bank in zip(todo, built)})
+            if file is not None:
+                file.put(recipe, [(c, bank.state_dict()) for c, bank in zip(todo, built)], time.perf_counter() - start)
+        return [self._bank_cache[c.id] for c in conversations]
+
+    def bank_options(self) -> dict[str, Any]:
+        """The options and prompts that shape a bank (``bank_option_names``; part of a ``bank_cache`` key)."""
+        return {name: getattr(self, name) for name in self.bank_option_names}
+
+    def bank_recipe(self, engine: RolloutBackend, settings: GenerationSettings) -> dict[str, Any]:
+        """A ``bank_cache`` key's recipe (the model that builds frozen banks: ``engine_for(engine, False)``)."""
+        return bank_recipe(type(self).__name__, self.bank_options(), settings, self.engine_for(engine, False))
 
     def answer_prompt(self, question: str, conversation: Conversation, memories: str) -> str:
         """The answer agent's prompt: ``question`` about ``conversation`` with the rendered ``memories``."""

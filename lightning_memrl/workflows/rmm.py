@@ -68,9 +68,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
 REFLECT_TURN = "reflect"
-
 
 # No literal example topic: SmolLM2-135M wrote the example itself into 60% of the memories (88 of 138 over
 # 6 sessions of 4 LoCoMo conversations); a copy that slips through is dropped (parse_items, "copied").
@@ -80,13 +78,11 @@ DEFAULT_REFLECT_TEMPLATE = (
     "starting with the id of the turn it comes from in brackets, like [D1:3]."
 )
 
-
 DEFAULT_MERGE_TEMPLATE = (
     "Existing memories similar to a new one:\n{memories}\n\nNew memory ({date}): {memory}\n\n"
     "If the new memory is about the same topic as a listed one, MERGE it into that one; otherwise ADD it. "
     'Reply with JSON only: {{"op": "ADD"}} or {{"op": "MERGE", "id": "m3", "text": "the merged memory"}}.'
 )
-
 
 # No literal citation example: a small generator copies one ("Citations: [1, 2]") whatever it was shown.
 DEFAULT_ANSWER_TEMPLATE = (
@@ -134,10 +130,13 @@ class RMMWorkflow(BankWorkflow):
         merge_template: prompt with ``{memories}``, ``{memory}``, ``{date}``.
         answer_template: prompt of the generator (see :class:`BankWorkflow`).
         **kwargs: ``retriever`` (first-stage retrieval of the top ``top_k``), ``max_batch``,
-            ``system_prompt``, ``judge`` of :class:`BankWorkflow`.
+            ``system_prompt``, ``judge``, ``bank_cache`` (a file of the reflection's banks) of :class:`BankWorkflow`.
     """
 
     records_memory_writes = True  # add-or-merge turns note turn.info["wrote_entries"]
+    caches_banks_to_file = True  # a bank depends only on the reflection's options, the model and the conversation
+    bank_option_names = (*BankWorkflow.bank_option_names, "max_topics", "merge_top_k", "reflect_max_tokens")
+    bank_option_names += ("merge_max_tokens", "reflect_template", "merge_template")
 
     def __init__(
         self,

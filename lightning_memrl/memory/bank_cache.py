@@ -1,0 +1,112 @@
+"""A JSON file of memory banks that a model which does not train built greedily, reused across runs.
+
+RMM's prospective reflection runs once per conversation with a fixed model, and on whole LoCoMo
+conversations it costs minutes per conversation on a CPU: more than the reranker's whole training. A
+fit, each later ``validate`` and every rerun would build the same banks again. :class:`BankCacheFile`
+keeps them in one file, each under a key made of what it depends on:
+
+* the *recipe*: the workflow's class, the options and prompts that shape a bank, and the model that
+  wrote it (its name or path, dtype and, for a frozen engine, its description, e.g. the adapter it
+  switches on);
+* the conversation's *fingerprint*: a SHA-256 of its sessions' dates and turns (speaker, text, photo
+  caption), so a session cap or an edited file is a different entry.
+
+What the key cannot see is a change of weights under the same name and dtype (a re-converted
+checkpoint): delete the file then. Writes re-read the file first and replace it atomically, so two
+processes that build different conversations into one file keep both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lightning_memrl.data.locomo import Conversation
+from lightning_memrl.settings import GenerationSettings
+
+
+def conversation_fingerprint(conversation: Conversation) -> str:
+    """SHA-256 of what a bank is written from: each session's name, date and turns."""
+    content = [
+        [s.index, s.date_time, [[t.dia_id, t.speaker, t.text, t.caption] for t in s.turns]]
+        for s in conversation.sessions
+    ]
+    return hashlib.sha256(json.dumps(content, ensure_ascii=False).encode()).hexdigest()
+
+
+def model_identity(engine: Any) -> dict[str, str]:
+    """The model an engine generates with: name or path, dtype and (frozen engines) description."""
+    model = getattr(engine, "model", None)
+    first = next(model.parameters(), None) if model is not None else None
+    return {
+        "name_or_path": str(getattr(model, "name_or_path", "") or ""),
+        "dtype": str(first.dtype) if first is not None else "",
+        "description": str(getattr(engine, "description", "")),
+    }
+
+
+def bank_recipe(workflow: str, options: dict[str, Any], settings: GenerationSettings, engine: Any) -> dict[str, Any]:
+    """What a frozen bank depends on besides its conversation: the ``workflow`` class name, its bank
+    ``options``, the greedy generation ``settings`` (less the answer cap) and the model ``engine`` runs."""
+    generation = {k: v for k, v in asdict(settings).items() if k not in ("max_new_tokens", "num_generations_eval")}
+    return {"workflow": workflow, "options": options, "generation": generation, "model": model_identity(engine)}
+
+
+class BankCacheFile:
+    """Banks stored in a JSON file ``{"banks": {key: {"conversation", "recipe", "build_s", "bank"}}}``.
+
+    Args:
+        path: the file (created with its folder on the first :meth:`put`).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @staticmethod
+    def key(recipe: dict[str, Any], conversation: Conversation) -> str:
+        """The entry's key: SHA-256 of the recipe and the conversation's fingerprint."""
+        text = json.dumps({"recipe": recipe, "conversation": conversation_fingerprint(conversation)}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _read(self) -> dict[str, Any]:
+        if not self.path.is_file():
+            return {"banks": {}}
+        try:
+            data = json.loads(self.path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"bank cache {self.path} is not JSON ({error}); delete it, it is rebuilt on the next run"
+            ) from None
+        if not isinstance(data, dict) or not isinstance(data.get("banks"), dict):
+            raise ValueError(f"bank cache {self.path} has no 'banks' mapping; delete it, it is rebuilt on the next run")
+        return data
+
+    def entry(self, recipe: dict[str, Any], conversation: Conversation) -> dict[str, Any] | None:
+        """The stored entry of ``conversation`` built by ``recipe`` (``bank``, ``build_s``, ...), or None."""
+        return self._read()["banks"].get(self.key(recipe, conversation))
+
+    def get(self, recipe: dict[str, Any], conversation: Conversation) -> dict[str, Any] | None:
+        """The stored bank state of ``conversation`` built by ``recipe``, or None."""
+        entry = self.entry(recipe, conversation)
+        return entry["bank"] if entry is not None else None
+
+    def put(self, recipe: dict[str, Any], built: list[tuple[Conversation, dict[str, Any]]], build_s: float) -> None:
+        """Store each (conversation, bank state) of ``built``, which took ``build_s`` seconds together."""
+        data = self._read()
+        for conversation, state in built:
+            data["banks"][self.key(recipe, conversation)] = {
+                "conversation": conversation.id,
+                "recipe": recipe,
+                "build_s": round(build_s / max(len(built), 1), 1),
+                "bank": state,
+            }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(data, file)
+        os.replace(tmp, self.path)
