@@ -126,8 +126,8 @@ def _data_args(args: argparse.Namespace, prefix: str, conversations: list[str]) 
     sessions, questions = _val_caps(args) if prefix == "locomo_val" else (args.max_sessions, args.max_questions)
     return [
         f"{d}conversations", json.dumps(conversations),
-        f"{d}max_sessions", str(sessions or "null"),  # 0: every session
-        f"{d}max_questions", str(questions or "null"),
+        f"{d}max_sessions", str(sessions or 100_000),  # 0: every session (a nested null reads as a string)
+        f"{d}max_questions", str(questions or 100_000),
     ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ def test_every_arm_is_validated_on_the_held_apart_conversation_and_finished_arms
     out, work = tmp_path / "out", tmp_path / "work"
     argv = [
         "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b",
-        "--model", "tiny", "--dtype", "float32", "--max_sessions", "1", "--steps", "1",
+        "--model", "tiny", "--dtype", "float32", "--max_sessions", "1", "--val_questions", "0", "--steps", "1",
         "--questions_per_step", "2", "--recall_k", "2", "--reranker_lr", "0.1",
         "--out", str(out), "--work", str(work), "--in_process", "--top_k", "3", "--source_turn_feature",
         "--bank_cache", str(tmp_path / "banks.json"),
