@@ -12,8 +12,8 @@ keeps them in one file, each under a key made of what it depends on:
   caption), so a session cap or an edited file is a different entry.
 
 What the key cannot see is a change of weights under the same name and dtype (a re-converted
-checkpoint): delete the file then. Writes re-read the file first and replace it atomically, so two
-processes that build different conversations into one file keep both.
+checkpoint): delete the file then. A write re-reads the file just before replacing it atomically, so two
+processes that build different conversations into one file keep both unless their writes overlap.
 """
 
 from __future__ import annotations
