@@ -52,7 +52,7 @@ def bench(monkeypatch, tmp_path):
     return module
 
 
-def _conversation(bench, args, name: str) -> Any:
+def _conversation(args, name: str) -> Any:
     """Conversation ``name`` of ``args.locomo`` as the benchmark loads it."""
     return conversation_of(load_locomo(args.locomo, LoCoMoSettings(conversations=[name]))[0])
 
@@ -65,14 +65,14 @@ def _write_banks(bench, path: Path, names=(("conv-a", "Ana"), ("conv-b", "Eva"))
         bank = MemoryBank()
         for text, sources in FACTS:
             bank.add(text.replace("Ana", name), "session_1", "", sources)
-        BankCacheFile(path).put(recipe, [(_conversation(bench, args, conversation), bank.state_dict())], 1.5)
+        BankCacheFile(path).put(recipe, [(_conversation(args, conversation), bank.state_dict())], 1.5)
 
 
 def _stored(bench, tmp_path: Path, name: str, *options: str) -> dict[str, Any] | None:
     """The bank cache's entry of conversation ``name`` built as ``options`` say."""
     args = bench._args(_argv(tmp_path, "--top_m", "1", *options))
     recipe = importlib.import_module("rmm_banks").bank_recipe(args, bench.workflow_of(args))
-    return BankCacheFile(tmp_path / "banks.json").entry(recipe, _conversation(bench, args, name))
+    return BankCacheFile(tmp_path / "banks.json").entry(recipe, _conversation(args, name))
 
 
 def _write_third_conversation(tmp_path: Path) -> None:
