@@ -90,3 +90,27 @@ def test_a_broken_file_names_itself_and_the_fix(tasks, tmp_path):
 def test_a_workflow_whose_banks_are_not_file_cached_refuses_the_option(tmp_path):
     with pytest.raises(ValueError, match="bank_cache: MemoryR1Workflow does not keep its banks in a file"):
         MemoryR1Workflow(stage="answerer", bank_cache=str(tmp_path / "c.json"))
+
+
+def test_a_trained_adapter_is_part_of_the_model_identity(tiny_tokenizer):
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_memrl.adapters import LoraSettings
+    from lightning_memrl.memory.bank_cache import adapter_digest, model_identity
+    from lightning_memrl.models import load_policy
+
+    policy = load_policy("tiny", tiny_tokenizer, lora=LoraSettings(r=4))
+    base_identity = model_identity(SimpleNamespace(model=policy))
+    assert adapter_digest(policy) is None and "adapter" not in base_identity  # B = 0: the base model's banks
+    with torch.no_grad():
+        next(p for n, p in policy.named_parameters() if "lora_B" in n).fill_(0.5)
+    digest = adapter_digest(policy)
+    assert digest is not None and len(digest) == 64
+    assert model_identity(SimpleNamespace(model=policy)) == {**base_identity, "adapter": digest}
+    with torch.no_grad():
+        next(p for n, p in policy.named_parameters() if "lora_A" in n).add_(1.0)
+    assert adapter_digest(policy) not in (None, digest)  # other weights, other banks
+    frozen = SimpleNamespace(model=policy, description="the LoRA base with adapters disabled")
+    assert "adapter" not in model_identity(frozen)  # a frozen engine is named by its description

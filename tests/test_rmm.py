@@ -301,3 +301,15 @@ def test_reranker_trains_inside_memrl_module_and_is_checkpointed(tmp_path):
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in workflow.reranker.parameters()}
     assert workflow.reranker.query_adapter.weight.abs().sum() > 0  # moved away from its zero start
     assert trainer.global_step == 2
+
+
+def test_reflect_with_base_reflects_on_the_frozen_engine_and_answers_with_the_policy(tasks, tiny_tokenizer):
+    workflow = RMMWorkflow(train_generator=False, reflect_with_base=True)
+    assert workflow.needs_frozen_model() and not RMMWorkflow(train_generator=False).needs_frozen_model()
+    base, generator = ScriptedEngine(tiny_tokenizer, reply), ScriptedEngine(tiny_tokenizer, reply)
+    workflow.frozen_engine = base
+    (trajectory,) = workflow.rollout(generator, tasks[:1], GREEDY)
+    assert [prompt for prompt, _ in base.calls if "Question:" in prompt] == []  # the base only reflects
+    assert sum("List at most" in prompt for prompt, _ in base.calls) == 3
+    assert [("Question:" in prompt, "List at most" in prompt) for prompt, _ in generator.calls] == [(True, False)]
+    assert "Rosa" in trajectory.turns[-1].text and not trajectory.turns[-1].trainable  # answered, not trained

@@ -7,13 +7,14 @@ keeps them in one file, each under a key made of what it depends on:
 
 * the *recipe*: the workflow's class, the options and prompts that shape a bank, and the model that
   wrote it (its name or path, dtype and, for a frozen engine, its description, e.g. the adapter it
-  switches on);
+  switches on; for the policy, a digest of the trained LoRA adapter it runs, e.g. a warm start's);
 * the conversation's *fingerprint*: a SHA-256 of its sessions' dates and turns (speaker, text, photo
   caption), so a session cap or an edited file is a different entry.
 
-What the key cannot see is a change of weights under the same name and dtype (a re-converted
-checkpoint): delete the file then. A write re-reads the file just before replacing it atomically, so two
-processes that build different conversations into one file keep both unless their writes overlap.
+What the key cannot see is a change of base weights under the same name and dtype (a re-converted
+checkpoint), or of a frozen engine's adapter file: delete the file then. A write re-reads the file just
+before replacing it atomically, so two processes that build different conversations into one file keep
+both unless their writes overlap.
 """
 
 from __future__ import annotations
@@ -39,15 +40,41 @@ def conversation_fingerprint(conversation: Conversation) -> str:
     return hashlib.sha256(json.dumps(content, ensure_ascii=False).encode()).hexdigest()
 
 
+def adapter_digest(model: Any) -> str | None:
+    """SHA-256 of the active LoRA adapter's weights, or None without one or while it is a no-op (every B = 0).
+
+    A policy loaded with a trained adapter (``lora.adapter_name_or_path``) writes other banks than its base:
+    the digest tells them apart. A fresh adapter (B = 0) computes the base model and adds nothing to the key.
+    """
+    active = getattr(model, "active_adapter", None)
+    if not isinstance(active, str) or not hasattr(model, "named_parameters"):
+        return None
+    weights = sorted(
+        ((n, p) for n, p in model.named_parameters() if "lora_" in n and f".{active}." in n), key=lambda w: w[0]
+    )
+    if not any("lora_B" in n and bool(p.detach().ne(0).any()) for n, p in weights):
+        return None
+    digest = hashlib.sha256()
+    for name, weight in weights:
+        digest.update(name.encode())
+        digest.update(weight.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def model_identity(engine: Any) -> dict[str, str]:
-    """The model an engine generates with: name or path, dtype and (frozen engines) description."""
+    """The model an engine generates with: name or path, dtype, (frozen engines) description and, for the
+    policy's engine, the :func:`adapter_digest` of a trained LoRA adapter it runs."""
     model = getattr(engine, "model", None)
     first = next(model.parameters(), None) if model is not None else None
-    return {
+    identity = {
         "name_or_path": str(getattr(model, "name_or_path", "") or ""),
         "dtype": str(first.dtype) if first is not None else "",
         "description": str(getattr(engine, "description", "")),
     }
+    adapter = adapter_digest(model) if model is not None and not hasattr(engine, "description") else None
+    if adapter is not None:  # only then: keys of banks built by a base model stay what they were
+        identity["adapter"] = adapter
+    return identity
 
 
 def bank_recipe(workflow: str, options: dict[str, Any], settings: GenerationSettings, engine: Any) -> dict[str, Any]:

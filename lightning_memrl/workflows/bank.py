@@ -37,10 +37,7 @@ from lightning_memrl.workflows.base import Workflow, encode_chat_prompt
 
 log = logging.getLogger(__name__)
 
-
 _TAG = re.compile(r"\[?\bD:?(\d+):(\d+)\]?")
-
-
 _BULLET = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s*")
 
 
@@ -235,6 +232,10 @@ class BankWorkflow(Workflow):
             )
         return engine  # nothing trains the policy: it is the fixed model
 
+    def answer_engine(self, engine: RolloutBackend, trainable: bool) -> RolloutBackend:
+        """The answerer's engine: :meth:`engine_for` (not trained: the frozen model, never the policy)."""
+        return self.engine_for(engine, trainable)
+
     def policy_will_change(self) -> None:
         """Drop results the policy built greedily: a training rollout precedes an optimizer step."""
         self._bank_cache.clear()
@@ -349,7 +350,7 @@ class BankWorkflow(Workflow):
             texts.append(self.answer_prompt(trajectory.task.question, conversation_of(trajectory.task), memories))
         trainable = self.answer_is_trained()
         gen_settings = settings if trainable or not training else settings.greedy()
-        answerer = self.engine_for(engine, trainable)  # not trained: the frozen model, never the policy
+        answerer = self.answer_engine(engine, trainable)
         turns = self.generate_turns(answerer, texts, gen_settings, settings.max_new_tokens, ANSWER_TURN, trainable)
         for trajectory, turn in zip(trajectories, turns):
             trajectory.info["answer_raw"] = turn.text

@@ -55,16 +55,8 @@ from lightning_memrl.workflows.rmm_reranker import (
     varied_group_share,
 )
 
-__all__ = [
-    "Reranker",
-    "RMMWorkflow",
-    "citation_rewards",
-    "evidence_rewards",
-    "gumbel_top_m",
-    "parse_citations",
-    "reinforce_loss",
-    "selection_log_probs",
-]
+__all__ = ["Reranker", "RMMWorkflow", "citation_rewards", "evidence_rewards", "gumbel_top_m", "parse_citations"]
+__all__ += ["reinforce_loss", "selection_log_probs"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +115,8 @@ class RMMWorkflow(BankWorkflow):
         feature_lr_scale: learning-rate multiplier of those feature weights (see :class:`Reranker`).
         baseline_momentum: running-mean factor of the REINFORCE baseline ``b``.
         train_generator: train the answer turns with GRPO (else only the reranker learns).
+        reflect_with_base: prospective reflection on the base model (the frozen engine) even when the
+            generator does not train, e.g. a warm-started generator (``configs/rmm/sft.yaml``): banks stay the base's.
         show_raw: show each memory's source turns to the generator under its summary.
         reflect_max_tokens: generation cap of a reflection turn.
         merge_max_tokens: generation cap of an add-or-merge turn.
@@ -159,6 +153,7 @@ class RMMWorkflow(BankWorkflow):
         feature_lr_scale: float = 1.0,
         baseline_momentum: float = 0.9,
         train_generator: bool = True,
+        reflect_with_base: bool = False,
         show_raw: bool = True,
         reflect_max_tokens: int = 96,
         merge_max_tokens: int = 48,
@@ -192,7 +187,7 @@ class RMMWorkflow(BankWorkflow):
         self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
         self.shuffle_shown, self.min_retrieval_score = shuffle_shown, min_retrieval_score
         self.baseline_momentum, self.baseline = baseline_momentum, 0.0
-        self.train_generator, self.show_raw = train_generator, show_raw
+        self.train_generator, self.reflect_with_base, self.show_raw = train_generator, reflect_with_base, show_raw
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
         self.reflect_template, self.merge_template = reflect_template, merge_template
         self._selections: list[tuple[Tensor, Tensor] | None] = []  # (scores [K], chosen [M]) of the last answers
@@ -203,8 +198,12 @@ class RMMWorkflow(BankWorkflow):
         return {"reranker": self.reranker}
 
     def needs_frozen_model(self) -> bool:
-        """The reflection is frozen while the generator (the policy) trains."""
-        return self.train_generator
+        """The reflection is frozen while the generator (the policy) trains, or on request (``reflect_with_base``)."""
+        return self.train_generator or self.reflect_with_base
+
+    def answer_engine(self, engine: RolloutBackend, trainable: bool) -> RolloutBackend:
+        """The generator is the policy, trained or not (a frozen engine only ever reflects)."""
+        return engine
 
     def max_response_tokens(self, settings: GenerationSettings) -> int:
         return max(settings.max_new_tokens, self.reflect_max_tokens, self.merge_max_tokens)
@@ -272,7 +271,8 @@ class RMMWorkflow(BankWorkflow):
         return list(zip(banks, turns))
 
     # ------------------------------------------------------------------ retrospective reflection
-    def _render(self, position: int, entry: MemoryEntry, conversation: Conversation) -> str:
+    def render_memory(self, position: int, entry: MemoryEntry, conversation: Conversation) -> str:
+        """Line ``[position] (time) text`` of a shown memory, with its source turns under it when ``show_raw``."""
         line = f"[{position}]" + (f" ({entry.time})" if entry.time else "") + f" {entry.text}"
         if self.show_raw:
             by_id = {t.dia_id: t for s in conversation.sessions for t in s.turns}
@@ -313,7 +313,7 @@ class RMMWorkflow(BankWorkflow):
             sources = [e.source_ids for e in shown]
             trajectory.info["shown_order"] = order
             trajectory.info["evidence_rewards"] = evidence_rewards(sources, evidence).tolist() if evidence else None
-            lines = [self._render(j + 1, shown[i], conversation) for j, i in enumerate(order)]
+            lines = [self.render_memory(j + 1, shown[i], conversation) for j, i in enumerate(order)]
             rendered.append("\n".join(lines) or "(no memories)")
         return rendered
 
