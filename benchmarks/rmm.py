@@ -87,6 +87,10 @@ def _args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="the trained arms also learn the source-turn feature (not RMM; its weight starts at 0)",
     )  # fmt: skip
     p.add_argument(
+        "--generator_adapter", type=Path, default=None,
+        help="a warm-started generator (configs/rmm/sft.yaml's adapter) for every arm; the reflection stays the base's",
+    )  # fmt: skip
+    p.add_argument(
         "--bank_cache", type=Path, default=None,
         help="workflow bank_cache of every run: the reflection's banks are built once and read after",
     )  # fmt: skip
@@ -117,6 +121,9 @@ def run_args(args: argparse.Namespace, root: Path, arm: str) -> list[str]:
         out += [f"{W}bank_cache", str(args.bank_cache.resolve())]
     if args.reranker_lr is not None:
         out += [f"{W}reranker_lr", str(args.reranker_lr)]
+    if args.generator_adapter is not None:  # the generator answers with it; reflect_with_base keeps the banks
+        out += ["--model.init_args.lora.adapter_name_or_path", str(args.generator_adapter.resolve())]
+        out += [f"{W}reflect_with_base", "true"]
     return out
 
 
@@ -173,6 +180,7 @@ def caps(args: argparse.Namespace) -> dict[str, Any]:
         "reranker_lr": args.reranker_lr or "configs/rmm/locomo.yaml (1e-3)",
         "top_k": args.top_k or "configs/rmm/locomo.yaml (10)",
         "source_turn_feature": args.source_turn_feature,
+        "generator_adapter": str(args.generator_adapter) if args.generator_adapter else None,
     }
 
 

@@ -63,3 +63,31 @@ def test_every_arm_is_validated_on_the_held_apart_conversation_and_finished_arms
     assert bench.main(argv) == results and calls == []  # finished arms are skipped
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == set(results) and summary["caps"]["steps"] == 1
+
+
+def test_a_warm_started_generator_answers_while_the_base_reflects(tmp_path, monkeypatch, tiny_tokenizer):
+    from lightning_memrl.adapters import LoraSettings
+    from lightning_memrl.models import load_policy
+
+    adapter = tmp_path / "adapter"
+    policy = load_policy("tiny", tiny_tokenizer, lora=LoraSettings(r=16, lora_alpha=32, init_lora_weights=False))
+    policy.save_pretrained(adapter)  # B != 0: another generator than the base
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("rmm")
+    data = write_two_conversations(tmp_path / "data")
+    argv = [
+        "--locomo", str(data), "--train", "conv-a", "--held-apart", "conv-b", "--arms", "identity",
+        "--model", "tiny", "--dtype", "float32", "--max_sessions", "1", "--val_questions", "0",
+        "--recall_k", "2", "--top_k", "3", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+        "--in_process", "--bank_cache", str(tmp_path / "banks.json"), "--generator_adapter", str(adapter),
+        "--model.init_args.generation.max_new_tokens=8",
+        "--model.init_args.workflow.init_args.reflect_max_tokens=24",
+        "--model.init_args.workflow.init_args.merge_max_tokens=12",
+    ]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    result = bench.main(argv)["identity"]
+    assert "adapter_name_or_path adapter" in result["eval_command"]  # relative to the working folder
+    assert "reflect_with_base true" in result["eval_command"] and result["caps"]["generator_adapter"]
+    (stored,) = json.loads((tmp_path / "banks.json").read_text())["banks"].values()
+    model = stored["recipe"]["model"]
+    assert "adapter" not in model and "disabled" in model["description"]  # built by the base, not the generator
