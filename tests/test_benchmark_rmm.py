@@ -91,3 +91,6 @@ def test_a_warm_started_generator_answers_while_the_base_reflects(tmp_path, monk
     (stored,) = json.loads((tmp_path / "banks.json").read_text())["banks"].values()
     model = stored["recipe"]["model"]
     assert "adapter" not in model and "disabled" in model["description"]  # built by the base, not the generator
+    for line in (tmp_path / "out" / "identity" / "predictions.jsonl").read_text().splitlines():
+        row = json.loads(line)  # the raw answer with its citations, what was shown and what it cited
+        assert isinstance(row["response"], str) and {"shown_ids", "cited"} <= set(row)

@@ -176,7 +176,10 @@ def step_metrics(
 
 
 def prediction_row(trajectory: Any, answer: str, em: float) -> dict[str, Any]:
-    """A line of ``eval_predictions_step<N>.jsonl``: the task, the memory after each turn, the completion, its score."""
+    """A line of ``eval_predictions_step<N>.jsonl``: the task, the memory after each turn, the completion, its score,
+    and for bank workflows the raw answer (``response``, citations included), the memories shown and those cited."""
+    info = trajectory.info
+    shown = {"response": info.get("answer_raw"), "shown_ids": info.get("shown_ids"), "cited": info.get("cited")}
     return {
         "id": trajectory.task.id,
         "question": trajectory.task.question,
@@ -186,6 +189,7 @@ def prediction_row(trajectory: Any, answer: str, em: float) -> dict[str, Any]:
         "completion": trajectory.final_text,
         "answer": answer,
         "exact_match": em,
+        **{key: value for key, value in shown.items() if value is not None},
     }
 
 
