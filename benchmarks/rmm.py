@@ -159,6 +159,7 @@ def run_arm(args: argparse.Namespace, arm: str, extra: list[str]) -> dict[str, A
         "held_apart": args.held_apart,
         "recall_k": args.recall_k,
         **scores(report, METRICS),
+        "answer_stats": answer_stats(out / "predictions.jsonl"),
         "fit": trained,
         "eval_command": _shown(command, args),
         "eval_wall_s": round(wall, 1),
@@ -167,6 +168,23 @@ def run_arm(args: argparse.Namespace, arm: str, extra: list[str]) -> dict[str, A
     }
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # last: marks the arm finished
     return result
+
+
+def answer_stats(predictions: Path) -> dict[str, Any]:
+    """How the generator answered (from the prediction rows' raw responses): the share of answers in RMM's
+    format (an ``Answer:`` and a ``Citations:`` part), of answers citing a shown memory, and of shown memories cited."""
+    rows = [json.loads(line) for line in predictions.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("response") is not None]
+    if not rows:
+        return {"answers": 0}
+    lower = [r["response"].lower() for r in rows]
+    shown = sum(len(r["shown_ids"]) for r in rows)
+    return {
+        "answers": len(rows),
+        "in_format": sum("answer:" in t and "citation" in t for t in lower) / len(rows),
+        "citing": sum(bool(r["cited"]) for r in rows) / len(rows),
+        "cited_per_shown": sum(len(r["cited"]) for r in rows) / shown if shown else None,
+    }
 
 
 def caps(args: argparse.Namespace) -> dict[str, Any]:

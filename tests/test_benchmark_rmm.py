@@ -94,3 +94,18 @@ def test_a_warm_started_generator_answers_while_the_base_reflects(tmp_path, monk
     for line in (tmp_path / "out" / "identity" / "predictions.jsonl").read_text().splitlines():
         row = json.loads(line)  # the raw answer with its citations, what was shown and what it cited
         assert isinstance(row["response"], str) and {"shown_ids", "cited"} <= set(row)
+    assert result["answer_stats"]["answers"] == 2 and 0.0 <= result["answer_stats"]["in_format"] <= 1.0
+
+
+def test_answer_stats_count_the_format_and_the_citations(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("rmm")
+    rows = [
+        {"response": "Answer: \\boxed{Rosa}\nCitations: [2]", "shown_ids": ["m1", "m4"], "cited": [1]},
+        {"response": "Tim: hello", "shown_ids": ["m0", "m2"], "cited": []},
+        {"response": "answer: Lisbon. citations: 1, 2", "shown_ids": ["m3", "m5"], "cited": [0, 1]},
+        {"completion": "a row of another workflow"},
+    ]
+    path = tmp_path / "predictions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.answer_stats(path) == {"answers": 3, "in_format": 2 / 3, "citing": 2 / 3, "cited_per_shown": 0.5}
