@@ -172,18 +172,23 @@ def run_arm(args: argparse.Namespace, arm: str, extra: list[str]) -> dict[str, A
 
 def answer_stats(predictions: Path) -> dict[str, Any]:
     """How the generator answered (from the prediction rows' raw responses): the share of answers in RMM's
-    format (an ``Answer:`` and a ``Citations:`` part), of answers citing a shown memory, and of shown memories cited."""
+    format (an ``Answer:`` and a ``Citations:`` part), of answers citing a shown memory, of shown memories cited,
+    and of cited and of shown memories that hold the question's evidence (questions with evidence annotated)."""
     rows = [json.loads(line) for line in predictions.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("response") is not None]
     if not rows:
         return {"answers": 0}
     lower = [r["response"].lower() for r in rows]
     shown = sum(len(r["shown_ids"]) for r in rows)
+    holds = [(i in r["cited"], reward > 0) for r in rows for i, reward in enumerate(r.get("evidence_rewards") or [])]
+    cited_holds = [h for c, h in holds if c]
     return {
         "answers": len(rows),
         "in_format": sum("answer:" in t and "citation" in t for t in lower) / len(rows),
         "citing": sum(bool(r["cited"]) for r in rows) / len(rows),
         "cited_per_shown": sum(len(r["cited"]) for r in rows) / shown if shown else None,
+        "cited_holding_evidence": sum(cited_holds) / len(cited_holds) if cited_holds else None,
+        "shown_holding_evidence": sum(h for _, h in holds) / len(holds) if holds else None,
     }
 
 

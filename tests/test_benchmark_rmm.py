@@ -102,10 +102,18 @@ def test_answer_stats_count_the_format_and_the_citations(tmp_path, monkeypatch):
     bench = importlib.import_module("rmm")
     rows = [
         {"response": "Answer: \\boxed{Rosa}\nCitations: [2]", "shown_ids": ["m1", "m4"], "cited": [1]},
-        {"response": "Tim: hello", "shown_ids": ["m0", "m2"], "cited": []},
+        {"response": "Tim: hello", "shown_ids": ["m0", "m2"], "cited": [], "evidence_rewards": [1.0, -1.0]},
         {"response": "answer: Lisbon. citations: 1, 2", "shown_ids": ["m3", "m5"], "cited": [0, 1]},
         {"completion": "a row of another workflow"},
     ]
+    rows[0]["evidence_rewards"], rows[2]["evidence_rewards"] = [-1.0, 1.0], [-1.0, -1.0]
     path = tmp_path / "predictions.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert bench.answer_stats(path) == {"answers": 3, "in_format": 2 / 3, "citing": 2 / 3, "cited_per_shown": 0.5}
+    assert bench.answer_stats(path) == {
+        "answers": 3,
+        "in_format": 2 / 3,
+        "citing": 2 / 3,
+        "cited_per_shown": 0.5,
+        "cited_holding_evidence": 1 / 3,  # m4 of the three cited memories
+        "shown_holding_evidence": 2 / 6,  # m4 and m0
+    }

@@ -177,9 +177,11 @@ def step_metrics(
 
 def prediction_row(trajectory: Any, answer: str, em: float) -> dict[str, Any]:
     """A line of ``eval_predictions_step<N>.jsonl``: the task, the memory after each turn, the completion, its score,
-    and for bank workflows the raw answer (``response``, citations included), the memories shown and those cited."""
+    and for bank workflows the raw answer (``response``, citations included), the memories shown, those cited and
+    (RMM) which shown memories hold the question's evidence (``evidence_rewards``, +1/−1 in ``shown_ids`` order)."""
     info = trajectory.info
-    shown = {"response": info.get("answer_raw"), "shown_ids": info.get("shown_ids"), "cited": info.get("cited")}
+    shown = {key: info.get(key) for key in ("shown_ids", "cited", "evidence_rewards")}
+    shown["response"] = info.get("answer_raw")
     return {
         "id": trajectory.task.id,
         "question": trajectory.task.question,
