@@ -184,8 +184,8 @@ class RMMWorkflow(BankWorkflow):
         self.source_turns = SourceTurnScorer(self.embedder) if source_turn_feature else None
         self.module_lr, self.reranker_reward = reranker_lr, reranker_reward
         self.max_topics, self.merge_top_k, self.top_k, self.top_m = max_topics, merge_top_k, top_k, top_m
-        self.shuffle_shown, self.min_retrieval_score = shuffle_shown, min_retrieval_score
-        self.temperature, self.gumbel, self.baseline_momentum, self.baseline = temperature, gumbel, baseline_momentum, 0.0
+        self.shuffle_shown, self.min_retrieval_score, self.gumbel = shuffle_shown, min_retrieval_score, gumbel
+        self.temperature, self.baseline_momentum, self.baseline = temperature, baseline_momentum, 0.0
         self.train_generator, self.reflect_with_base, self.show_raw = train_generator, reflect_with_base, show_raw
         self.reflect_max_tokens, self.merge_max_tokens = reflect_max_tokens, merge_max_tokens
         self.reflect_template, self.merge_template = reflect_template, merge_template
