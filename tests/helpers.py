@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import lightning as L
 import torch
 
@@ -84,3 +90,23 @@ def turn_batch(
         rewards=torch.tensor(rewards),
         turn_rewards=torch.tensor(turn_rewards if turn_rewards is not None else [0.0] * m),
     )
+
+
+def sft_fit_losses(tmp_path, config: Path, root: str, *args: str) -> list[float]:
+    """Run ``lightning-memrl fit`` of an SFT ``config`` on the tiny model (lr 0.01, constant, unshuffled) in
+    ``tmp_path`` with further ``args``; the ``train/loss`` of each step from ``<tmp_path>/<root>/csv``."""
+    exe = Path(sys.executable).with_name("lightning-memrl")
+    command = [
+        str(exe), "fit", "--config", str(config),
+        "--model.init_args.model_name_or_path", "tiny",
+        "--model.init_args.dtype", "float32",
+        "--model.init_args.optimizer.lr", "0.01",
+        "--model.init_args.optimizer.warmup_steps", "0",
+        "--model.init_args.optimizer.schedule", "constant",
+        "--data.init_args.shuffle", "false",
+        *args,
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader(open(next((tmp_path / root / "csv").glob("version_*/metrics.csv")))))
+    return [float(r["train/loss"]) for r in rows if r.get("train/loss")]

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import sft_fit_losses
 from locomo_fixture import write_locomo
 
 from lightning_memrl.data.locomo import load_locomo
@@ -61,23 +58,7 @@ def test_rmm_takes_only_the_answer_part():
 
 def test_rmm_sft_fit_through_the_cli_lowers_the_loss_and_saves_the_adapter(tmp_path):
     data = write_locomo(tmp_path / "data")
-    exe = Path(sys.executable).with_name("lightning-memrl")
-    args = [
-        "fit",
-        "--config", str(REPO / "configs" / "rmm" / "sft.yaml"),
-        "--model.init_args.model_name_or_path", "tiny",
-        "--model.init_args.dtype", "float32",
-        "--model.init_args.optimizer.lr", "0.01",
-        "--model.init_args.optimizer.warmup_steps", "0",
-        "--model.init_args.optimizer.schedule", "constant",
-        "--data.init_args.locomo_path", str(data),
-        "--data.init_args.batch_size", "4",
-        "--data.init_args.shuffle", "false",
-        "--trainer.max_steps", "3",
-    ]  # fmt: skip
-    proc = subprocess.run([str(exe), *args], cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = list(csv.DictReader(open(next((tmp_path / "logs/rmm_sft/csv").glob("version_*/metrics.csv")))))
-    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    args = ["--data.init_args.locomo_path", str(data), "--data.init_args.batch_size", "4", "--trainer.max_steps", "3"]
+    losses = sft_fit_losses(tmp_path, REPO / "configs" / "rmm" / "sft.yaml", "logs/rmm_sft", *args)
     assert len(losses) == 3 and losses[2] < losses[0] - 0.05, losses  # the same 4 answer examples each step
     assert (tmp_path / "logs/rmm_sft/adapter/adapter_config.json").is_file()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from helpers import sft_fit_losses
 from locomo_fixture import write_locomo
 
 from lightning_memrl.adapters import LoraSettings
@@ -52,26 +49,10 @@ def test_loss_is_the_cross_entropy_of_the_target_tokens_only():
 
 def test_sft_fit_through_the_cli_lowers_the_loss_and_saves_the_adapter(tmp_path):
     data = write_locomo(tmp_path / "data")
-    exe = Path(sys.executable).with_name("lightning-memrl")
-    args = [
-        "fit",
-        "--config", str(REPO / "configs" / "memory_r1" / "sft.yaml"),
-        "--model.init_args.model_name_or_path", "tiny",
-        "--model.init_args.dtype", "float32",
-        "--model.init_args.optimizer.lr", "0.01",
-        "--model.init_args.optimizer.warmup_steps", "0",
-        "--model.init_args.optimizer.schedule", "constant",
-        "--data.init_args.locomo_path", str(data),
-        "--data.init_args.locomo.max_sessions", "1",
-        "--data.init_args.parts", "[manage]",
-        "--data.init_args.batch_size", "2",
-        "--data.init_args.shuffle", "false",
-        "--trainer.max_steps", "3",
-    ]  # fmt: skip
-    proc = subprocess.run([str(exe), *args], cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = list(csv.DictReader(open(next((tmp_path / "logs/memory_r1_sft/csv").glob("version_*/metrics.csv")))))
-    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    config = REPO / "configs" / "memory_r1" / "sft.yaml"
+    args = ["--data.init_args.locomo_path", str(data), "--data.init_args.locomo.max_sessions", "1"]
+    args += ["--data.init_args.parts", "[manage]", "--data.init_args.batch_size", "2", "--trainer.max_steps", "3"]
+    losses = sft_fit_losses(tmp_path, config, "logs/memory_r1_sft", *args)
     assert len(losses) == 3 and losses[2] < losses[0] - 0.05, losses  # the same 2 manager examples each step
     adapter = tmp_path / "logs/memory_r1_sft/adapter"
     assert (adapter / "adapter_config.json").is_file()
