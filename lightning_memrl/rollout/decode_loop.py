@@ -18,7 +18,8 @@ warm-up and then 1.9 s per decode step against 0.15 s eager (SmolLM2-135M, fp32,
 Sampling is the default engine's: the raw fp32 logits of the last position go through ``transformers``'
 own ``RepetitionPenaltyLogitsProcessor`` (padding columns ignored as ``generate`` does), then, when
 sampling, :class:`~lightning_memrl.rollout.sampling.CandidateWarper` (``generate``'s temperature,
-top-k, top-p and min-p, in that order), then softmax and ``torch.multinomial`` (greedy: ``argmax``). The recorded
+top-k, top-p and min-p, in that order), then :func:`~lightning_memrl.rollout.sampling.draw_tokens` (greedy:
+``argmax``). The recorded
 log-prob of a token is :func:`~lightning_memrl.logprobs.selected_logprobs` of the raw logits under the
 temperature, as the parent records it. Settings the loop does not implement (``generation_kwargs``,
 ``stop_strings``) run that call through ``RolloutEngine.generate`` (counted in :attr:`fallbacks`, and
@@ -46,7 +47,7 @@ from lightning_memrl.rollout.prefix import (
     shared_prefix_groups,
     split_shared_prefixes,
 )
-from lightning_memrl.rollout.sampling import warper
+from lightning_memrl.rollout.sampling import draw_tokens, warper
 from lightning_memrl.settings import SAMPLING_ONLY, GenerationSettings
 from lightning_memrl.types import Generation
 
@@ -220,7 +221,8 @@ class DecodeLoopEngine(RolloutEngine):
 
 
 class _Sampler:
-    """``generate``'s token choice: its own processors and warpers over the raw logits, then multinomial or argmax.
+    """The default engine's token choice: ``generate``'s processors and warpers over the raw logits, then
+    :func:`~lightning_memrl.rollout.sampling.draw_tokens` or argmax.
 
     Keeps the sequences so far (prompt columns included, as ``generate`` passes them to its
     processors) only when the repetition penalty needs them.
@@ -245,7 +247,7 @@ class _Sampler:
         scores = self.processors(self.sequences, logits) if self.processors else logits  # out of place
         if self.greedy:
             return scores.argmax(-1)
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return draw_tokens(scores)
 
     def append(self, tokens: Tensor) -> None:
         if self.sequences is not None:

@@ -21,6 +21,7 @@ from lightning_memrl.errors import DataError
 from lightning_memrl.logprobs import selected_logprobs
 from lightning_memrl.rollout.attention import decode_attention
 from lightning_memrl.rollout.base import RolloutBackend
+from lightning_memrl.rollout.kv_cache import reserved_cache
 from lightning_memrl.rollout.merged import MergedAdapters
 from lightning_memrl.rollout.packed import PackedLinears
 from lightning_memrl.rollout.prefix import (
@@ -30,7 +31,7 @@ from lightning_memrl.rollout.prefix import (
     shared_prefix_groups,
     split_shared_prefixes,
 )
-from lightning_memrl.rollout.sampling import warper
+from lightning_memrl.rollout.sampling import TokenDraw, warper
 from lightning_memrl.settings import SAMPLING_ONLY, GenerationSettings
 from lightning_memrl.types import Generation
 
@@ -139,6 +140,9 @@ class RolloutEngine(RolloutBackend):
         fold_decode_attention: on CPU in bf16/fp16, a decode step's grouped query heads attend as rows of
             their key/value head (:mod:`lightning_memrl.rollout.attention`: the same attention, 5-8x
             faster per call); the model must run ``sdpa``. False: ``sdpa`` as loaded.
+        reserve_kv_cache: decode into a KV cache with room reserved for the new tokens, written in place
+            (:mod:`lightning_memrl.rollout.kv_cache`); False: ``generate``'s own cache, which copies every
+            layer's cache at every decode step.
     """
 
     def __init__(
@@ -150,9 +154,11 @@ class RolloutEngine(RolloutBackend):
         merge_adapters: bool | None = None,
         pack_weights: bool = True,
         fold_decode_attention: bool = True,
+        reserve_kv_cache: bool = True,
     ) -> None:
         self.model = model
         self.fold_decode_attention = fold_decode_attention
+        self.reserve_kv_cache = reserve_kv_cache
         self.tokenizer = tokenizer
         self.share_prefixes = share_prefixes
         self.min_shared_prefix = min_shared_prefix
@@ -216,7 +222,7 @@ class RolloutEngine(RolloutBackend):
         max_new_tokens = max_new_tokens or settings.max_new_tokens
         self.check_prompt_lengths(prompts, settings, max_new_tokens, task_ids)
         with self.sampling_weights():  # LoRA: plain layers over merged weights; CPU: packed weights
-            input_ids, attention_mask, cache = self._prefill(prompts, prefix_labels)
+            input_ids, attention_mask, cache = self._prefill(prompts, prefix_labels, max_new_tokens)
             kwargs = self._generate_kwargs(settings, max_new_tokens)
             if cache is not None:
                 kwargs["cache"] = cache  # generate feeds only the columns after the cache
@@ -228,15 +234,20 @@ class RolloutEngine(RolloutBackend):
         new_ids = new_ids.cpu()
         return [self._cut(new_ids[row], token_logprobs[row], settings) for row in range(len(prompts))]
 
-    def _prefill(self, prompts: list[list[int]], prefix_labels: list[Any] | None) -> tuple[Tensor, Tensor, Any]:
-        """``input_ids`` and ``attention_mask`` [B, P] of the prompts, and the KV cache of shared
-        prefixes (None when no two prompts share one worth a separate prefill)."""
+    def _prefill(
+        self, prompts: list[list[int]], prefix_labels: list[Any] | None, max_new_tokens: int
+    ) -> tuple[Tensor, Tensor, Any]:
+        """``input_ids`` and ``attention_mask`` [B, P] of the prompts, and the KV cache ``generate`` continues:
+        the shared prefixes' when a group shares one worth a separate prefill; else an empty reserved
+        cache, or None (``generate`` makes its own) with ``reserve_kv_cache`` off."""
         device = next(self.model.parameters()).device
         groups = shared_prefix_groups(prompts, self.min_shared_prefix, prefix_labels) if self.share_prefixes else []
+        cache = reserved_cache(room=max_new_tokens) if self.reserve_kv_cache else None
         if not any(len(rows) > 1 for _, rows in groups):
-            return (*left_pad(prompts, self.pad_id, device), None)
+            return (*left_pad(prompts, self.pad_id, device), cache)
         layout = split_shared_prefixes(prompts, groups, self.pad_id, device)
-        cache = prefill_shared_prefixes(self.model, layout, logits_to_keep=1)  # only the KV cache: no LM head
+        kwargs = {"cache": cache} if cache is not None else {}
+        cache = prefill_shared_prefixes(self.model, layout, logits_to_keep=1, **kwargs)  # only the KV cache
         return layout.row_ids, layout.row_mask, cache
 
     def _generate_kwargs(self, settings: GenerationSettings, max_new_tokens: int) -> dict[str, Any]:
@@ -253,17 +264,22 @@ class RolloutEngine(RolloutBackend):
             "output_logits": False,  # SampledLogprobs scores each token as it is sampled
             "use_cache": True,
         }
-        if not greedy:  # generate's own warpers would run before a custom one: temperature comes with ours
-            kwargs.update(temperature=1.0, top_p=1.0, top_k=0, logits_processor=LogitsProcessorList([warper(settings)]))
-        else:  # neutral values so a model's generation_config does not warn or sample
+        if greedy:  # neutral values so a model's generation_config does not warn or sample
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if settings.repetition_penalty != 1.0:
             kwargs["repetition_penalty"] = settings.repetition_penalty
         if settings.stop_strings:
             kwargs.update(stop_strings=list(settings.stop_strings), tokenizer=self.tokenizer)
         extra = {k: v for k, v in (settings.generation_kwargs or {}).items() if not (greedy and k in SAMPLING_ONLY)}
-        if "logits_processor" in extra and "logits_processor" in kwargs:  # the user's after the warpers
-            extra["logits_processor"] = LogitsProcessorList([*kwargs["logits_processor"], *extra["logits_processor"]])
+        processors = [] if greedy else [warper(settings)]  # generate's own warpers would run before a custom one
+        processors += extra.pop("logits_processor", None) or []  # the user's after the warpers
+        if not greedy and not SAMPLING_ONLY.intersection(extra):  # generate samples those warpers only itself
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)  # greedy takes TokenDraw's token
+            processors.append(TokenDraw())
+        elif not greedy:  # generate draws (torch.multinomial) after the warpers it adds for those options
+            kwargs.update(temperature=1.0, top_p=1.0, top_k=0)  # temperature comes with our warper
+        if processors:
+            kwargs["logits_processor"] = LogitsProcessorList(processors)
         kwargs.update(extra)  # checked when parsed: no key of the above (GenerationSettings.generation_kwargs)
         return kwargs
 

@@ -25,6 +25,12 @@ min-p), with ``min_tokens_to_keep=1``:
 
 Removed tokens get ``-inf``, so ``softmax`` and ``torch.multinomial`` draw from the same distribution,
 and with the same seed the same tokens, as after ``generate``'s warpers.
+
+The draw itself: ``torch.multinomial`` on CPU draws one exponential variate per vocabulary entry (a
+row of 49 152 for one token): 8-11 ms for 8 rows at 2 threads, a sixth of an fp32 SmolLM2 decode
+step. :func:`draw_tokens` draws from the same probabilities by inverting their cumulative sum (one
+uniform per row, the sums in float64): 0.3 ms. :class:`TokenDraw` does it as the last logits
+processor of a greedy ``generate``, which then takes the drawn token.
 """
 
 from __future__ import annotations
@@ -111,6 +117,35 @@ class CandidateWarper:
         if self.min_p:
             warpers.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
         return warpers
+
+
+def draw_tokens(scores: Tensor) -> Tensor:
+    """One token per row drawn from ``softmax(scores)`` by inverting its cumulative sum: ``[B]`` token ids.
+
+    Exact for the fp32 probabilities ``torch.multinomial`` would draw from: a uniform ``u`` in [0, 1)
+    per row (``torch.rand``, so ``torch.manual_seed`` makes it repeatable), and the first token whose
+    cumulative probability exceeds ``u`` times the row's total; a token of probability 0 (score
+    ``-inf``) is never drawn. The cumulative sums are float64, so rounding does not shift the mass of
+    a 49k-token row. Not the random stream of ``torch.multinomial``: the same seed draws other tokens.
+
+    Args:
+        scores: ``[B, V]`` scores after every processor and warper.
+    """
+    cumulative = torch.softmax(scores.float(), dim=-1).cumsum(-1, dtype=torch.float64)  # [B, V]
+    total = cumulative[:, -1:].contiguous()  # [B, 1], 1 up to rounding
+    target = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device) * total
+    drawn = torch.searchsorted(cumulative, target, right=True)  # first index with cumulative > target
+    last_possible = torch.searchsorted(cumulative, total)  # where the total is reached: the last token of p > 0
+    return torch.minimum(drawn, last_possible).squeeze(1)  # u * total rounded up to the total: that token
+
+
+class TokenDraw:
+    """The last logits processor of a greedy ``generate``: draws each row's token (:func:`draw_tokens`) and
+    returns scores that are 0 there and ``-inf`` elsewhere, so ``generate``'s ``argmax`` takes it."""
+
+    def __call__(self, input_ids: Tensor | None, scores: Tensor) -> Tensor:
+        tokens = draw_tokens(scores)  # [B]
+        return torch.full_like(scores, -math.inf).scatter_(1, tokens[:, None], 0.0)
 
 
 def warper(settings: GenerationSettings) -> CandidateWarper:
