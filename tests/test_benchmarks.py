@@ -88,14 +88,16 @@ def test_decode_reports_floor_bare_and_engine_steps_per_dtype(bench, monkeypatch
     assert sorted(result["dtypes"]) == ["bfloat16", "float32"]
     fp32, bf16 = result["dtypes"]["float32"], result["dtypes"]["bfloat16"]
     assert fp32["weights_mib"] == pytest.approx(2 * bf16["weights_mib"], rel=0.01)  # every weight once, in its dtype
+    assert result["read_bandwidth_gb_s"] == max(result["read_bandwidth_readings_gb_s"])  # the faster reading
     bandwidth = result["read_bandwidth_gb_s"] * 1e9
     assert fp32["floor_ms"] == pytest.approx(fp32["weights_mib"] * 2**20 / bandwidth * 1e3)
     for row in (fp32, bf16):
         assert 0 < row["bare_ms"] < 1e4
-        timed = ("engine_ms", "engine_lora_ms", "engine_lora_peft_ms", "loop_static_ms", "loop_dynamic_ms")
+        timed = ("engine_ms", "engine_unreserved_ms", "engine_lora_ms", "engine_lora_peft_ms", "loop_static_ms")
         for key in timed:  # differences of two timings
             assert math.isfinite(row[key]), key
         assert row["engine_over_bare"] == pytest.approx(row["engine_ms"] / row["bare_ms"])
+        assert row["engine_over_floor"] == pytest.approx(row["engine_ms"] / row["floor_ms"])
         assert row["loop_over_engine"] == pytest.approx(row["loop_static_ms"] / row["engine_ms"])
         assert row["lora_copies_mib"] > 0  # merged weights (fp32) or stacked factors (bf16)
 
