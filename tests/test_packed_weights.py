@@ -125,3 +125,34 @@ def test_lora_adapter_layers_keep_their_own_forward():
     with torch.no_grad(), PackedLinears(policy).swapped() as count:
         assert count == len(bases)
         assert all("forward" in vars(m) for m in bases) and not any("forward" in vars(m) for m in adapters)
+
+
+def test_sibling_layers_share_one_stacked_pack(tiny_model):
+    attention = tiny_model.model.layers[0].self_attn
+    x, other = torch.randn(2, 3, attention.q_proj.in_features), torch.randn(2, 3, attention.q_proj.in_features)
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    expected = [layer(x) for layer in projections]
+    packed = PackedLinears(tiny_model)
+    with torch.no_grad(), packed.swapped():
+        got = [layer(x) for layer in projections]
+        alone = attention.k_proj(other)  # another input: the stacked product of that input
+    assert len(packed._fused) == 2 * len(tiny_model.model.layers)  # q/k/v and gate/up of every layer
+    assert len({out.untyped_storage().data_ptr() for out in got}) == 1  # one product, three column ranges
+    for out, want in zip(got, expected):
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone, attention.k_proj(other), atol=1e-5, rtol=1e-5)
+    assert all(fused._input is None for fused in packed._fused.values())  # no input held after the rollout
+
+
+def test_a_stacked_member_changed_in_place_is_packed_again(tiny_model):
+    packed = PackedLinears(tiny_model)
+    mlp = tiny_model.model.layers[0].mlp
+    x = torch.randn(4, mlp.up_proj.in_features)
+    with torch.no_grad():
+        with packed.swapped():
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        mlp.up_proj.weight.mul_(2.0)  # in place, no invalidate
+        with packed.swapped():
+            gate_after, up_after = mlp.gate_proj(x), mlp.up_proj(x)
+    torch.testing.assert_close(up_after, 2.0 * up, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gate_after, gate)

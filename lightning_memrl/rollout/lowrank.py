@@ -69,11 +69,15 @@ class SharedInput:
         """``x · A_allᵀ`` in fp32, computed once per input tensor."""
         version = _version(x)
         if x is not self._input or version != self._version:
-            assert self.a_all is not None
-            self._product = F.linear(x.to(self.a_all.dtype), self.a_all)
+            self._product = self.compute(x)
             self._input, self._version = x, version
         assert self._product is not None
         return self._product
+
+    def compute(self, x: Tensor) -> Tensor:
+        """The group's product of a new input."""
+        assert self.a_all is not None
+        return F.linear(x.to(self.a_all.dtype), self.a_all)
 
     def forget(self) -> None:
         """Drop the kept input and product (after a rollout)."""

@@ -20,6 +20,14 @@ rollout, so they do not add to the update's memory; while a rollout runs they co
 packed layers' weights. The products are the same sums in another order: logits move by float
 rounding (about 6e-5 on SmolLM2 in fp32), well inside the ``logprob_gap`` the learner checks.
 
+Layers of one module that read the same input (:data:`FUSED_INPUTS`: the attention's ``q_proj``,
+``k_proj`` and ``v_proj``, the MLP's ``gate_proj`` and ``up_proj``) share one pack of their weights
+stacked (:class:`FusedPack`): the first of them to be called computes the stacked product once, the
+others take their columns of it. One product of 960 or 3072 columns streams its weight faster than
+three or two narrow ones (SmolLM2's shapes at 8 rows, 2 threads: q/k/v 155 -> 100 µs fp32, 83 -> 53 µs
+bf16; gate/up 240 -> 217 µs fp32, 146 -> 113 µs bf16). A member called with another input than the
+group's last computes the stacked product of that input (correct, one product of work more).
+
 Packed are fp32 weights, and bf16 ones where oneDNN supports bf16 on this CPU
 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``; ``nn.Linear`` computes bf16 through oneDNN
 already, so bf16 results are bit for bit the same). A layer on another device, in another dtype,
@@ -39,7 +47,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_memrl.rollout.lowrank import SharedInput
+
 log = logging.getLogger(__name__)
+
+FUSED_INPUTS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of sibling linear layers a module calls with the same input (Llama, Qwen2, Mistral and their kin)."""
 
 
 @cache
@@ -149,6 +162,53 @@ class PackedStandIn(nn.Module):
         return _packed_linear(x, self.packed, self.bias)
 
 
+class FusedPack(SharedInput):
+    """One pack of sibling layers' weights stacked (``[sum of outputs, in]``), its product computed once per input.
+
+    Args:
+        members: the layers, in the order their weights are stacked (same input width, dtype, device,
+            and all with a bias or none).
+        batch_size: the number of rows the packed layout is tuned for.
+    """
+
+    def __init__(self, members: tuple[nn.Linear, ...], batch_size: int) -> None:
+        super().__init__()
+        self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]), batch_size)
+        biases = [m.bias for m in members]
+        self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+        self.splits = [m.out_features for m in members]
+        self.signature = tuple(_signature(m.weight) for m in members)
+
+    def compute(self, x: Tensor) -> Tensor:
+        return _packed_linear(x, self.packed, self.bias)
+
+    def forward_of(self, module: nn.Linear, index: int) -> Callable[[Tensor], Tensor]:
+        """Member ``index``'s forward: its columns of the stacked product; with gradients on, its own."""
+        start = sum(self.splits[:index])
+        end = start + self.splits[index]
+
+        def forward(x: Tensor) -> Tensor:
+            if torch.is_grad_enabled() or x.dtype != self.packed.dtype:
+                return F.linear(x, module.weight, module.bias)
+            return self.product(x)[..., start:end]
+
+        return forward
+
+
+def fused_groups(model: nn.Module, layers: set[nn.Module]) -> list[tuple[nn.Linear, ...]]:
+    """Sibling layers among ``layers`` named as a :data:`FUSED_INPUTS` group that can share one pack."""
+    groups = []
+    for module in model.modules():
+        for names in FUSED_INPUTS:
+            members = tuple(getattr(module, name, None) for name in names)
+            if not all(m in layers for m in members):
+                continue
+            alike = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}
+            if len(alike) == 1:
+                groups.append(members)
+    return groups
+
+
 class PackedLinears:
     """Routes a model's CPU linear layers through oneDNN-packed weights for the duration of a ``generate``.
 
@@ -161,41 +221,67 @@ class PackedLinears:
         self.model = model
         self.batch_size = batch_size
         self._packs: dict[nn.Linear, _Pack] = {}
+        self._fused: dict[tuple[nn.Linear, ...], FusedPack] = {}
         self._logged = False
 
     @property
     def packed_mib(self) -> float:
         """Memory the packed weights hold now, in MiB (0 when released)."""
-        return sum(p.weight.numel() * p.weight.element_size() for p in self._packs.values()) / 2**20
+        packs = [p.weight for p in self._packs.values()] + [f.packed for f in self._fused.values()]
+        return sum(w.numel() * w.element_size() for w in packs) / 2**20
 
     def invalidate(self) -> None:
         """Mark every pack stale: the next :meth:`swapped` packs again (call after a weight change)."""
         for pack in self._packs.values():
             pack.signature = (0, 0, -1)
+        for fused in self._fused.values():
+            fused.signature = ()
 
     def release(self) -> None:
         """Free the packed weights; the next :meth:`swapped` packs again."""
-        self._packs = {}
+        self._packs, self._fused = {}, {}
 
     @contextmanager
     def swapped(self) -> Iterator[int]:
         """Inside: every packable ``nn.Linear`` of the model computes with its packed weight. Yields their count."""
         adapters = _adapter_layers(self.model)
         layers = [m for m in self.model.modules() if _packable(m) and m not in adapters]
+        groups = fused_groups(self.model, set(layers))
+        grouped = {m for members in groups for m in members}
+        singles = [layer for layer in layers if layer not in grouped]
         with torch.no_grad():
-            for layer in layers:
+            for layer in singles:
                 self._pack(layer)
-        self._packs = {layer: self._packs[layer] for layer in layers}  # layers gone since (a new merge) drop theirs
-        for layer in layers:
+            self._fused = {members: self._fused_pack(members) for members in groups}
+        self._packs = {layer: self._packs[layer] for layer in singles}  # layers gone since (a new merge) drop theirs
+        for layer in singles:
             layer.forward = _packed_forward(layer, self._packs[layer])  # an instance attribute shadows the method
+        for members, fused in self._fused.items():
+            for index, layer in enumerate(members):
+                layer.forward = fused.forward_of(layer, index)
         if layers and not self._logged:
             self._logged = True
-            log.info("rollouts run on oneDNN-packed weights: %d linear layers, %.1f MiB", len(layers), self.packed_mib)
+            log.info(
+                "rollouts run on oneDNN-packed weights: %d linear layers (%d in %d stacked groups), %.1f MiB",
+                len(layers),
+                len(grouped),
+                len(groups),
+                self.packed_mib,
+            )
         try:
             yield len(layers)
         finally:
             for layer in layers:
                 del layer.forward
+            for fused in self._fused.values():
+                fused.forget()  # the last input and product
+
+    def _fused_pack(self, members: tuple[nn.Linear, ...]) -> FusedPack:
+        """The group's pack, remade unless made from the same, unchanged weights."""
+        fused = self._fused.get(members)
+        if fused is not None and fused.signature == tuple(_signature(m.weight) for m in members):
+            return fused
+        return FusedPack(members, self.batch_size)
 
     def _pack(self, layer: nn.Linear) -> None:
         """Pack ``layer``'s weight unless its pack was made from the same, unchanged tensor."""
