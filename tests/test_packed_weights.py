@@ -134,7 +134,11 @@ def test_sibling_layers_share_one_stacked_pack(tiny_model):
     expected = [layer(x) for layer in projections]
     packed = PackedLinears(tiny_model)
     with torch.no_grad(), packed.swapped():
-        got = [layer(x) for layer in projections]
+        got = [attention.q_proj(x), attention.k_proj(x)]
+        fused = next(f for members, f in packed._fused.items() if members[0] is attention.q_proj)
+        assert fused._input is x  # held until the last member takes its columns
+        got.append(attention.v_proj(x))
+        assert fused._input is None and fused._product is None  # then dropped: only the callers hold the outputs
         alone = attention.k_proj(other)  # another input: the stacked product of that input
     assert len(packed._fused) == 2 * len(tiny_model.model.layers)  # q/k/v and gate/up of every layer
     assert len({out.untyped_storage().data_ptr() for out in got}) == 1  # one product, three column ranges

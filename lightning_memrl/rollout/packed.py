@@ -178,8 +178,10 @@ class FusedPack(SharedInput):
         self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         self.splits = [m.out_features for m in members]
         self.signature = tuple(_signature(m.weight) for m in members)
+        self._waiting: set[int] = set()
 
     def compute(self, x: Tensor) -> Tensor:
+        self._waiting = set(range(len(self.splits)))  # members that have not taken their columns yet
         return _packed_linear(x, self.packed, self.bias)
 
     def forward_of(self, module: nn.Linear, index: int) -> Callable[[Tensor], Tensor]:
@@ -190,7 +192,11 @@ class FusedPack(SharedInput):
         def forward(x: Tensor) -> Tensor:
             if torch.is_grad_enabled() or x.dtype != self.packed.dtype:
                 return F.linear(x, module.weight, module.bias)
-            return self.product(x)[..., start:end]
+            columns = self.product(x)[..., start:end]
+            self._waiting.discard(index)
+            if not self._waiting:  # every member has its columns: the group holds no product between calls
+                self.forget()  # (a prefill's product of every layer would otherwise stay alive at once)
+            return columns
 
         return forward
 
