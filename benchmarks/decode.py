@@ -18,8 +18,7 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
   prefill), over the decode forwards counted at the input embedding; median of ``--repeats``.
 * engine unfolded / unpacked: the engine with ``fold_decode_attention: false`` (bf16/fp16 decode
   attention through ``sdpa`` as loaded) / with ``pack_weights: false``; reserved / unreserved: with
-  ``reserve_kv_cache: true`` / ``false`` (``generate``'s concatenating cache; the default reserves
-  for fp32 only on CPU).
+  ``reserve_kv_cache: true`` (the default) / ``false`` (``generate``'s concatenating cache).
 * loop: the decode-loop backend (``DecodeLoopEngine``), timed as the engine, with its static cache and with
   the dynamic one; with ``--compile`` also its ``torch.compile``-d step: the warm-up (the first call's
   time minus the same call's once compiled) and the step after it.
@@ -188,6 +187,8 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str) -> dict[str, Any
         row["pack_s"] = time.perf_counter() - start
         row["bare_packed_ms"] = bare_decode_ms(model, prompts, args.steps)
     packed.release()
+    engine_decode_ms(RolloutEngine(model, tokenizer), prompts.tolist(), args.steps, 1)  # discarded: the first
+    # engine timed in a process ran 10-40% slow (50.1 against 35.8 ms for the same engine later in one run)
     row["engine_ms"] = engine_decode_ms(RolloutEngine(model, tokenizer), prompts.tolist(), args.steps, args.repeats)
     unpacked = RolloutEngine(model, tokenizer, pack_weights=False)
     row["engine_unpacked_ms"] = engine_decode_ms(unpacked, prompts.tolist(), args.steps, args.repeats)

@@ -65,12 +65,3 @@ def test_rollouts_are_the_same_with_and_without_the_reserve(tiny_tokenizer, labe
         runs.append(engine.generate(prompts, settings, prefix_labels=labels))
     for off, on in zip(*runs):
         assert on.token_ids == off.token_ids and torch.equal(on.logprobs, off.logprobs)
-
-
-def test_by_default_reserved_except_for_low_precision_on_cpu(tiny_tokenizer) -> None:
-    model = build_tiny_model(tiny_tokenizer, seed=0)
-    assert RolloutEngine(model, tiny_tokenizer).reserves_kv_cache
-    assert not RolloutEngine(model, tiny_tokenizer, reserve_kv_cache=False).reserves_kv_cache
-    model.to(torch.bfloat16)
-    assert not RolloutEngine(model, tiny_tokenizer).reserves_kv_cache
-    assert RolloutEngine(model, tiny_tokenizer, reserve_kv_cache=True).reserves_kv_cache

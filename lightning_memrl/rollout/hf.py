@@ -142,10 +142,7 @@ class RolloutEngine(RolloutBackend):
             faster per call); the model must run ``sdpa``. False: ``sdpa`` as loaded.
         reserve_kv_cache: decode into a KV cache with room reserved for the new tokens, written in place
             (:mod:`lightning_memrl.rollout.kv_cache`); False: ``generate``'s own cache, which copies every
-            layer's cache at every decode step. None (default): reserved, except for bf16/fp16 models on
-            CPU, where PyTorch's attention kernel reads the reserved cache's strided keys slower than it
-            saves (measured: SmolLM2 after 512 tokens, fp32 75.0 -> 57.3 ms a decode step, bf16 49.3 ->
-            53.4 ms).
+            layer's cache at every decode step.
     """
 
     def __init__(
@@ -157,7 +154,7 @@ class RolloutEngine(RolloutBackend):
         merge_adapters: bool | None = None,
         pack_weights: bool = True,
         fold_decode_attention: bool = True,
-        reserve_kv_cache: bool | None = None,
+        reserve_kv_cache: bool = True,
     ) -> None:
         self.model = model
         self.fold_decode_attention = fold_decode_attention
@@ -174,14 +171,6 @@ class RolloutEngine(RolloutBackend):
             else None
         )
         self.packed = PackedLinears(model) if pack_weights else None
-
-    @property
-    def reserves_kv_cache(self) -> bool:
-        """Whether rollouts decode into a reserved KV cache (``reserve_kv_cache``, resolved for this model)."""
-        if self.reserve_kv_cache is not None:
-            return self.reserve_kv_cache
-        weight = self.model.get_input_embeddings().weight
-        return weight.device.type != "cpu" or weight.dtype == torch.float32
 
     def sync_weights(self, model: Any) -> None:
         """``generate`` runs ``self.model``, the policy the optimizer updates in place: only merged
@@ -253,7 +242,7 @@ class RolloutEngine(RolloutBackend):
         cache, or None (``generate`` makes its own) with ``reserve_kv_cache`` off."""
         device = next(self.model.parameters()).device
         groups = shared_prefix_groups(prompts, self.min_shared_prefix, prefix_labels) if self.share_prefixes else []
-        cache = reserved_cache(room=max_new_tokens) if self.reserves_kv_cache else None
+        cache = reserved_cache(room=max_new_tokens) if self.reserve_kv_cache else None
         if not any(len(rows) > 1 for _, rows in groups):
             return (*left_pad(prompts, self.pad_id, device), cache)
         layout = split_shared_prefixes(prompts, groups, self.pad_id, device)
