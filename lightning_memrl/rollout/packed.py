@@ -258,7 +258,9 @@ class PackedLinears:
         with torch.no_grad():
             for layer in singles:
                 self._pack(layer)
-            self._fused = {members: self._fused_pack(members) for members in groups}
+            for members in groups:  # one group at a time: a stale pack is freed as its successor is made
+                self._fused[members] = self._fused_pack(members)
+        self._fused = {members: self._fused[members] for members in groups}
         self._packs = {layer: self._packs[layer] for layer in singles}  # layers gone since (a new merge) drop theirs
         for layer in singles:
             layer.forward = _packed_forward(layer, self._packs[layer])  # an instance attribute shadows the method
