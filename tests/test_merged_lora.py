@@ -148,19 +148,22 @@ def test_bf16_base_adds_the_low_rank_products_itself_and_merges_only_when_asked(
 
     module = _module(dtype="bfloat16")
     calls = _Calls(module.policy)
-    weights = []  # every weight the stand-ins multiply by: a group's stacked A, or a layer's scaling * B
+    weights = []  # every weight the stand-ins multiply by: a group's stacked A or its block-diagonal scaling * B
     linear = lowrank.F.linear
     monkeypatch.setattr(lowrank.F, "linear", lambda x, w, b=None: weights.append(w) or linear(x, w, b))
     gens = module.engine.generate(PROMPTS, SETTINGS)  # default: bf16 bases keep their own weights
     monkeypatch.undo()
     assert calls.count == 0 and all(t.low_rank for t in module.engine.merged.targets)  # no peft layer ran
-    stacked = [group.a_all for group, _ in module.engine.merged._groups.values()]
-    products = sum(any(w is a for a in stacked) for w in weights)
+    groups = [group for group, _ in module.engine.merged._groups.values()]
+    with_a = sum(any(w is g.a_all for g in groups) for w in weights)
+    with_b = sum(any(w is g.b_all for g in groups) for w in weights)
     forwards = max(len(g.token_ids) for g in gens)  # the prefill, then one forward per further token
-    # per decoder layer and forward: 7 adapted layers, 4 products with A (q+k+v share one, o, gate+up, down)
-    assert (products, len(weights) - products) == (2 * forwards * 4, 2 * forwards * 7)
-    # stacked A (fp32): attention 4 layers x r 4 x 64, gate+up 2 x 4 x 64, down 4 x 128; scaling * B: 4 x 512 outputs
-    assert module.engine.merged.merged_mib == pytest.approx(2 * (1024 + 512 + 512 + 4 * 512) * 4 / 2**20)
+    # per decoder layer and forward: 7 adapted layers in 4 groups (q+k+v, o, gate+up, down), 2 products each
+    assert (with_a, with_b, len(weights)) == (2 * forwards * 4, 2 * forwards * 4, 2 * forwards * 8)
+    # per decoder layer, fp32: stacked A (q+k+v 12 x 64, o 4 x 64, gate+up 8 x 64, down 4 x 128) and the
+    # block-diagonal scaling * B ([32+32+64, 12], [64, 4], [128+128, 8], [64, 4])
+    a_elements, b_elements = 768 + 256 + 512 + 512, 128 * 12 + 64 * 4 + 256 * 8 + 64 * 4
+    assert module.engine.merged.merged_mib == pytest.approx(2 * (a_elements + b_elements) * 4 / 2**20)
     _, _, gap = _sample(module, module.engine)
     assert gap < 1e-5, f"low-rank stand-ins vs the learner's peft layers, bf16: {gap:.3g}"
     with torch.inference_mode():  # predict's mode: tensors without a version counter
@@ -259,3 +262,45 @@ def test_packed_stand_in_runs_the_peft_layer_with_gradients_on() -> None:
     torch.testing.assert_close(through_peft, expected, atol=0, rtol=0)
     through_peft.sum().backward()
     assert target.layer.lora_B["default"].weight.grad is not None
+
+
+def _low_rank_engine(module: MemRLModule, pack_weights: bool) -> RolloutEngine:
+    """An engine serving every adapted layer by a LowRankStandIn (forced on the fp32 tiny model, where packing is
+    available on every CPU)."""
+    engine = RolloutEngine(module.policy, module.tokenizer, share_prefixes=False, pack_weights=pack_weights)
+    for target in engine.merged.targets:
+        target.low_rank = True
+    return engine
+
+
+def test_stacked_bases_give_each_low_rank_group_one_rounded_output() -> None:
+    from lightning_memrl.rollout.lowrank import LowRankStandIn
+
+    module = _module()
+    engine = _low_rank_engine(module, pack_weights=True)
+    attention = engine.merged.targets[0].parent
+    x = torch.randn(2, 3, attention.q_proj.in_features)
+    with torch.no_grad():
+        expected = [attention.get_submodule(n)(x) for n in ("q_proj", "k_proj", "v_proj")]
+    with torch.no_grad(), engine.sampling_weights():
+        stand_ins = [attention.q_proj, attention.k_proj, attention.v_proj]
+        group = stand_ins[0].group
+        assert all(isinstance(m, LowRankStandIn) and m.group is group for m in stand_ins)
+        assert group.stacked_base is not None and len(group.members) == 3  # q/k/v; o_proj has its own group
+        got = [stand_ins[0](x), stand_ins[1](x)]
+        assert group._input is x  # held until the last member takes its columns
+        got.append(stand_ins[2](x))
+        assert group._input is None and group._product is None
+        assert isinstance(attention.o_proj, LowRankStandIn) and attention.o_proj.group.stacked_base is None
+    assert group.stacked_base is None  # outside a rollout each member adds its own base product
+    assert len({out.untyped_storage().data_ptr() for out in got}) == 1  # one output, three column ranges
+    for out, want in zip(got, expected):
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    greedy = GenerationSettings(temperature=0.0, max_new_tokens=8)
+    stacked = engine.generate(PROMPTS, greedy)
+    unstacked = _low_rank_engine(module, pack_weights=False).generate(PROMPTS, greedy)  # a member at a time
+    assert [g.token_ids for g in stacked] == [g.token_ids for g in unstacked]
+    for a, b in zip(stacked, unstacked):
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    _, _, gap = _sample(module, engine)
+    assert gap < 1e-4, f"stacked low-rank groups vs the learner's peft layers, fp32: {gap:.3g}"

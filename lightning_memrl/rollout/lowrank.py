@@ -10,12 +10,16 @@ arithmetic in fewer operations:
     y = round_to_base_dtype( base(x) + (x · Aᵀ) · (scaling · B)ᵀ )      # A, B and the sum in fp32
 
 - the scaling is folded into a copy of ``B`` (one product fewer);
-- layers of one parent module with the same input width share one fp32 product ``x · A_allᵀ``
-  (:class:`SharedInput`, ``A_all`` the members' ``A`` stacked): the attention's ``q``, ``k`` and ``v``
-  are called with the same tensor, and so are the MLP's ``gate`` and ``up``; a member called with
-  another input (``o_proj``) computes the group's product afresh (one product either way);
-- the base layer stays a registered submodule, so
-  :class:`~lightning_memrl.rollout.packed.PackedLinears` serves it from its packed weight.
+- layers that are called with the same input share one :class:`LowRankGroup`: the attention's ``q``,
+  ``k`` and ``v`` (and the MLP's ``gate`` and ``up``, :data:`FUSED_INPUTS`; in other models the layers
+  of one parent module with the same input width) compute ``x · A_allᵀ`` once, ``A_all`` the members'
+  ``A`` stacked, and its product with the members' ``scaling · B`` placed block-diagonally, one product
+  for the group; each member adds its columns to its base product. A member called with another input
+  computes the group's products afresh (correct, the work of the group once more);
+- when :class:`~lightning_memrl.rollout.packed.PackedLinears` packs the members' base weights as one
+  stacked pack (:meth:`LowRankGroup.stack_bases`), the group adds the stacked base product and rounds
+  once for all its members, which take their columns;
+- the base layer stays a registered submodule, so ``PackedLinears`` serves it from its packed weight.
 
 The sum is formed in fp32 and rounded once, as peft does, so the sampled tokens' log-probs equal the
 learner's up to the fp32 rounding of the folded scaling (bit for bit on the tiny test model). With
@@ -25,11 +29,15 @@ itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+FUSED_INPUTS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of sibling linear layers a module calls with the same input (Llama, Qwen2, Mistral and their kin)."""
 
 
 def active_factors(layer: Any) -> list[tuple[Tensor, Tensor, float]]:
@@ -84,52 +92,105 @@ class SharedInput:
         self._input, self._product, self._version = None, None, -1
 
 
+class LowRankGroup(SharedInput):
+    """The low-rank products of stand-ins called with the same input, computed once per input.
+
+    ``product(x)`` is ``(x · A_allᵀ) · B_allᵀ`` in fp32, ``[..., sum of outputs]``: ``B_all`` holds each
+    member's ``scaling · B`` in its own rows and columns (block-diagonal), so one product serves every
+    member. With stacked bases (:meth:`stack_bases`) it is the members' whole output instead, ``round(base
+    product + low-rank product)``, dropped once every member took its columns.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b_all: Tensor | None = None  # [sum of outputs, sum of ranks] fp32, block-diagonal
+        self.members: list[LowRankStandIn] = []
+        self.stacked_base: Callable[[Tensor], Tensor] | None = None  # the members' base products side by side
+        self._waiting: set[int] = set()
+
+    @property
+    def held_mib(self) -> float:
+        held = [t for t in (self.a_all, self.b_all) if t is not None]
+        return sum(t.numel() * 4 for t in held) / 2**20
+
+    def stack_bases(self, stacked_base: Callable[[Tensor], Tensor] | None) -> None:
+        """Let the group compute its members' base products at once (``None``: each member its own)."""
+        self.stacked_base = stacked_base
+        self.forget()
+
+    def compute(self, x: Tensor) -> Tensor:
+        assert self.a_all is not None and self.b_all is not None
+        self._waiting = set(range(len(self.members)))  # members that have not taken their columns yet
+        low_rank = F.linear(F.linear(x.to(self.a_all.dtype), self.a_all), self.b_all)  # [..., sum of outputs]
+        if self.stacked_base is None:
+            return low_rank
+        return low_rank.add_(self.stacked_base(x)).to(x.dtype)  # summed in fp32, rounded once
+
+    def columns_for(self, index: int, x: Tensor) -> Tensor:
+        """Member ``index``'s columns of the group's product of ``x``."""
+        out = self.product(x)[..., self.members[index].columns]
+        self._waiting.discard(index)
+        if not self._waiting:  # every member took its columns: a prefill's product of every group is not kept
+            self.forget()
+        return out
+
+
 class LowRankStandIn(nn.Module):
     """Stands in for a peft LoRA layer over a low-precision base: ``base(x) + round((x·Aᵀ)·(s·B)ᵀ)``.
 
     Args:
         layer: the peft ``lora.Linear`` it stands in for; not registered as a submodule (a module
             walk must not reach its ``lora_A``/``lora_B``), and run as is when the stand-in cannot serve.
-        group: the :class:`SharedInput` of the layers of its parent module with the same input width.
+        group: the :class:`LowRankGroup` of the layers called with the same input.
     """
 
-    def __init__(self, layer: Any, group: SharedInput) -> None:
+    def __init__(self, layer: Any, group: LowRankGroup) -> None:
         super().__init__()
         self.__dict__["fallback"] = layer
         self.__dict__["group"] = group
         self.base = layer.base_layer  # registered: packed by PackedLinears like any plain layer
+        self.index = len(group.members)
+        group.members.append(self)
         self.columns = slice(0, 0)  # this layer's columns of the group's product
-        self.scaled_b: Tensor | None = None  # [out, rank] fp32: the active adapters' scaling * B, side by side
-
-    @property
-    def held_mib(self) -> float:
-        """Memory this layer's copies hold (its ``scaling * B``), in MiB."""
-        return 0.0 if self.scaled_b is None else self.scaled_b.numel() * 4 / 2**20
+        self.ready = False  # refresh_group gave it its factors
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.scaled_b is None or torch.is_grad_enabled() or x.dtype != self.base.weight.dtype:
+        if not self.ready or torch.is_grad_enabled() or x.dtype != self.base.weight.dtype:
             return self.fallback(x)
-        low_rank = F.linear(self.group.product(x)[..., self.columns], self.scaled_b)
-        return low_rank.add_(self.base(x)).to(x.dtype)  # summed in fp32, rounded once: peft's arithmetic
+        columns = self.group.columns_for(self.index, x)
+        if self.group.stacked_base is not None:
+            return columns  # the base product is in it, rounded
+        return torch.add(columns, self.base(x)).to(x.dtype)  # summed in fp32, rounded once: peft's arithmetic
 
 
 @torch.no_grad()
-def refresh_group(group: SharedInput, members: list[LowRankStandIn]) -> None:
-    """Rebuild the group's stacked ``A`` and every member's ``scaling * B`` from the current adapter weights."""
-    stacked, offset = [], 0
-    for member in members:
-        factors = active_factors(member.fallback)
-        rank = sum(a.shape[0] for a, _, _ in factors)
-        member.columns = slice(offset, offset + rank)
-        offset += rank
-        stacked += [a.float() for a, _, _ in factors]
-        scaled = [b.float() * scaling for _, b, scaling in factors]
-        member.scaled_b = torch.cat(scaled, dim=1) if scaled else None  # None: no adapter, the peft layer serves
-    group.a_all = torch.cat(stacked).contiguous() if stacked else None
+def refresh_group(group: LowRankGroup) -> None:
+    """Rebuild the group's stacked ``A`` and block-diagonal ``scaling * B`` from the current adapter weights."""
+    factors = [active_factors(member.fallback) for member in group.members]
+    ranks = [sum(a.shape[0] for a, _, _ in f) for f in factors]  # 0: no adapter here, its columns add nothing
+    if not sum(ranks):  # no adapter in the group: every member runs its peft layer
+        group.a_all = group.b_all = None
+        for member in group.members:
+            member.ready = False
+        return
+    group.a_all = torch.cat([a.float() for f in factors for a, _, _ in f]).contiguous()
+    outputs = [member.base.out_features for member in group.members]
+    group.b_all = group.a_all.new_zeros(sum(outputs), sum(ranks))
+    row = col = 0
+    for member, f, rank, out in zip(group.members, factors, ranks, outputs):
+        if rank:
+            block = torch.cat([b.float() * scaling for _, b, scaling in f], dim=1)  # [out, rank]
+            group.b_all[row : row + out, col : col + rank] = block
+        member.columns, member.ready = slice(row, row + out), True
+        row, col = row + out, col + rank
     group.forget()
 
 
-def group_key(parent: nn.Module, layer: Any) -> tuple[int, int, torch.device]:
-    """Layers that may share an input: the same parent module, input width and device."""
+def group_key(parent: nn.Module, attr: str, layer: Any) -> tuple[Any, ...]:
+    """Layers that share an input: siblings named in one :data:`FUSED_INPUTS` group, else the layers of one
+    parent module with the same input width (and device)."""
     weight = layer.base_layer.weight
+    named = next((names for names in FUSED_INPUTS if attr in names), None)
+    if named is not None and all(hasattr(parent, name) for name in named):
+        return id(parent), named, weight.device
     return id(parent), weight.shape[1], weight.device

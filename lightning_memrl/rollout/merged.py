@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memrl.rollout.lowrank import LowRankStandIn, SharedInput, active_factors, group_key, refresh_group
+from lightning_memrl.rollout.lowrank import LowRankGroup, LowRankStandIn, active_factors, group_key, refresh_group
 from lightning_memrl.rollout.packed import PackedStandIn, packing_available
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class _Target:
     layer: Any  # peft.tuners.lora.Linear
     plain: nn.Module | None = None  # the stand-in (nn.Linear, PackedStandIn or LowRankStandIn), while held
     low_rank: bool = False  # served by a LowRankStandIn (a low-precision base), not a merged weight
-    group: tuple[Any, ...] = ()  # low_rank: the key of its SharedInput group
+    group: tuple[Any, ...] = ()  # low_rank: the key of its LowRankGroup
     key: tuple[torch.device, torch.dtype] | None = None  # device and dtype of the base it was made for
     signature: tuple[int, ...] | None = None  # versions of the weights it was merged from
 
@@ -116,7 +116,7 @@ class MergedAdapters:
         self.targets = find_targets(model)
         for target in self.targets:
             target.low_rank = not low_precision and target.layer.base_layer.weight.dtype != torch.float32
-        self._groups: dict[tuple[Any, ...], tuple[SharedInput, list[_Target]]] = {}  # low-rank layers by input
+        self._groups: dict[tuple[Any, ...], tuple[LowRankGroup, list[_Target]]] = {}  # low-rank layers by input
         self._buffers: list[Tensor] = []  # one flat buffer per (device, dtype), the merged weights are views
         self._logged = False
         self._sharded: bool | None = None  # decided at the first swap
@@ -129,8 +129,7 @@ class MergedAdapters:
         """Memory the merged weights hold now, plain or packed, in MiB (0 when released)."""
         plain = sum(b.numel() * b.element_size() for b in self._buffers) / 2**20
         packed = sum(t.plain.packed_mib for t in self.targets if isinstance(t.plain, PackedStandIn))
-        low_rank = sum(t.plain.held_mib for t in self.targets if isinstance(t.plain, LowRankStandIn))
-        return plain + packed + low_rank + sum(group.held_mib for group, _ in self._groups.values())
+        return plain + packed + sum(group.held_mib for group, _ in self._groups.values())
 
     def invalidate(self) -> None:
         """Mark every merged weight stale: the next :meth:`swapped` merges again (call after a weight change)."""
@@ -201,7 +200,7 @@ class MergedAdapters:
                 target.signature = signature
         for key in stale_groups:  # a group's layers share one stacked A: all are rebuilt together
             group, members = self._groups[key]
-            refresh_group(group, [m.plain for m in members])
+            refresh_group(group)
             for member in members:
                 member.signature = _signature(member.layer)
         if targets and not self._logged:
@@ -227,8 +226,8 @@ class MergedAdapters:
             weight = target.layer.base_layer.weight
             target.key, target.signature = _key(weight), None
             if target.low_rank:
-                target.group = group_key(target.parent, target.layer)
-                shared, members = self._groups.setdefault(target.group, (SharedInput(), []))
+                target.group = group_key(target.parent, target.attr, target.layer)
+                shared, members = self._groups.setdefault(target.group, (LowRankGroup(), []))
                 members.append(target)
                 target.plain = LowRankStandIn(target.layer, shared)
             elif self._packs(weight):

@@ -47,12 +47,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_memrl.rollout.lowrank import SharedInput
+from lightning_memrl.rollout.lowrank import FUSED_INPUTS, LowRankGroup, LowRankStandIn, SharedInput
 
 log = logging.getLogger(__name__)
-
-FUSED_INPUTS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Names of sibling linear layers a module calls with the same input (Llama, Qwen2, Mistral and their kin)."""
 
 
 @cache
@@ -201,18 +198,36 @@ class FusedPack(SharedInput):
         return forward
 
 
+def _stackable(members: tuple[nn.Module, ...], layers: set[nn.Module]) -> bool:
+    """Whether ``members`` are all packable ``layers`` of one input width, dtype and device (all biased or none)."""
+    if not all(m in layers for m in members):
+        return False
+    return len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}) == 1
+
+
 def fused_groups(model: nn.Module, layers: set[nn.Module]) -> list[tuple[nn.Linear, ...]]:
     """Sibling layers among ``layers`` named as a :data:`FUSED_INPUTS` group that can share one pack."""
     groups = []
     for module in model.modules():
         for names in FUSED_INPUTS:
             members = tuple(getattr(module, name, None) for name in names)
-            if not all(m in layers for m in members):
-                continue
-            alike = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in members}
-            if len(alike) == 1:
+            if _stackable(members, layers):
                 groups.append(members)
     return groups
+
+
+def low_rank_groups(model: nn.Module, layers: set[nn.Module]) -> dict[tuple[nn.Linear, ...], LowRankGroup]:
+    """The base layers of LoRA stand-in groups (:class:`~lightning_memrl.rollout.lowrank.LowRankGroup`) that
+    can share one pack, each with its group: every member of the group is in the model now."""
+    modules = list(model.modules())
+    present = set(modules)
+    groups = {id(m.group): m.group for m in modules if isinstance(m, LowRankStandIn) and m.ready}
+    found = {}
+    for group in groups.values():
+        bases = tuple(member.base for member in group.members)
+        if len(bases) > 1 and all(m in present and m.ready for m in group.members) and _stackable(bases, layers):
+            found[bases] = group
+    return found
 
 
 class PackedLinears:
@@ -252,7 +267,8 @@ class PackedLinears:
         """Inside: every packable ``nn.Linear`` of the model computes with its packed weight. Yields their count."""
         adapters = _adapter_layers(self.model)
         layers = [m for m in self.model.modules() if _packable(m) and m not in adapters]
-        groups = fused_groups(self.model, set(layers))
+        low_rank = low_rank_groups(self.model, set(layers))  # LoRA stand-ins: their bases stacked
+        groups = fused_groups(self.model, set(layers)) + list(low_rank)
         grouped = {m for members in groups for m in members}
         singles = [layer for layer in layers if layer not in grouped]
         with torch.no_grad():
@@ -267,6 +283,8 @@ class PackedLinears:
         for members, fused in self._fused.items():
             for index, layer in enumerate(members):
                 layer.forward = fused.forward_of(layer, index)
+        for members, group in low_rank.items():
+            group.stack_bases(self._fused[members].compute)
         if layers and not self._logged:
             self._logged = True
             log.info(
@@ -281,6 +299,8 @@ class PackedLinears:
         finally:
             for layer in layers:
                 del layer.forward
+            for group in low_rank.values():
+                group.stack_bases(None)
             for fused in self._fused.values():
                 fused.forget()  # the last input and product
 
