@@ -304,3 +304,5 @@ def test_stacked_bases_give_each_low_rank_group_one_rounded_output() -> None:
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     _, _, gap = _sample(module, engine)
     assert gap < 1e-4, f"stacked low-rank groups vs the learner's peft layers, fp32: {gap:.3g}"
+    engine.release_memory()  # the group lets go of its factors and members at once (they refer to each other)
+    assert group.a_all is None and group.b_all is None and group.members == [] and engine.merged.merged_mib == 0

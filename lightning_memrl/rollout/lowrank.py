@@ -113,6 +113,12 @@ class LowRankGroup(SharedInput):
         held = [t for t in (self.a_all, self.b_all) if t is not None]
         return sum(t.numel() * 4 for t in held) / 2**20
 
+    def release(self) -> None:
+        """Drop the factors, the members (each member holds its group: no cycle left behind) and any product."""
+        self.a_all = self.b_all = self.stacked_base = None
+        self.members.clear()
+        self.forget()
+
     def stack_bases(self, stacked_base: Callable[[Tensor], Tensor] | None) -> None:
         """Let the group compute its members' base products at once (``None``: each member its own)."""
         self.stacked_base = stacked_base

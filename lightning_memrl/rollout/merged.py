@@ -140,6 +140,8 @@ class MergedAdapters:
         """Free the merged weights; the next :meth:`swapped` rebuilds them."""
         for target in self.targets:
             target.plain, target.signature, target.key = None, None, None
+        for group, _ in self._groups.values():
+            group.release()  # at once, not when the garbage collector finds the group and its members
         self._buffers = []
         self._groups = {}
 
@@ -221,6 +223,8 @@ class MergedAdapters:
     def _allocate(self) -> None:
         """One flat buffer per (device, dtype) holding every target's merged weight, and the stand-ins over it."""
         groups: dict[tuple[torch.device, torch.dtype], list[_Target]] = {}
+        for group, _ in self._groups.values():
+            group.release()
         self._buffers, self._groups = [], {}
         for target in self.targets:
             weight = target.layer.base_layer.weight
