@@ -10,11 +10,13 @@ input, as do the MLP's ``gate`` and ``up`` (:data:`~lightning_memrl.rollout.lowr
     y_i = round( base_i(x) + ((float(x) · A_allᵀ)[:, cols_i] · scaling_i) · B_iᵀ )
 
 with one cast of ``x`` and one product with ``A_all`` (the members' ``A`` stacked) per group, and the
-scaling applied to the rank-r product: the same sums (bit for bit when the scaling is a power of two, as
-with SmolLM2's ``lora_alpha`` 32 and r 16), each layer's own ``B`` and base product, gradients through
-autograd as before. Measured on one SmolLM2 decoder layer's q/k/v and gate/up, 2048 tokens, bf16 base,
-forward and backward, 2 threads (2-core Intel Xeon with AMX): 47-54 ms through peft, 41 ms grouped; autograd
-keeps two fp32 copies of the input per layer instead of five.
+scaling applied to the rank-r product; other adapted layers (``o``, ``down``) form groups of one. Each
+layer's output is the same sum as peft's (bit for bit when the scaling is a power of two, as with SmolLM2's
+``lora_alpha`` 32 and r 16), with its own ``B`` and base product; gradients go through autograd. Autograd
+keeps three fp32 copies of a decoder layer's hidden-wide inputs instead of six (``tests/test_adapter_groups.py``).
+The gradient of the group's input is its members' summed in fp32 and rounded to bf16 once, where peft rounds
+each member's before the sum: gradients further back differ by bf16 rounding, no further from an fp32 copy of
+the model than peft's. The step times are in the README ("LoRA in the update").
 
 A layer keeps peft's forward when its adapters are disabled (the reference pass) or merged, when a
 variant (DoRA), a LoRA bias or a dropout that is active applies, when its base is not a plain

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import statistics
+from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_memrl import adapter_groups
@@ -108,3 +112,16 @@ def test_grouped_layers_under_gradient_checkpointing(tiny_tokenizer) -> None:
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_lora_update_benchmark_times_both_paths_on_the_same_work(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    bu, lora_update = importlib.import_module("bench_utils"), importlib.import_module("lora_update")
+    monkeypatch.setattr(bu, "RESULTS", tmp_path)
+    result = lora_update.main(["--model", "tiny", "--rows", "2", "--tokens", "12", "--repeats", "2", "--threads", "1"])
+    assert result == json.loads((tmp_path / "lora_update_tiny.json").read_text())
+    peft, grouped = result["sides"]["peft"], result["sides"]["grouped"]
+    assert len(peft["s"]) == len(grouped["s"]) == 2 and result["grouped_over_peft"] > 0
+    # q/k/v keep one fp32 copy of their input instead of three, gate/up one instead of two: 2 x 3 x [24, 64] fp32
+    assert peft["kept"]["fp32_bytes"] - grouped["kept"]["fp32_bytes"] == 2 * 3 * 24 * 64 * 4
+    assert peft["kept"]["bytes"] - grouped["kept"]["bytes"] == 2 * 3 * 24 * 64 * 4
