@@ -20,7 +20,8 @@ the model than peft's. The step times are in the README ("LoRA in the update").
 
 A layer keeps peft's forward when its adapters are disabled (the reference pass) or merged, when a
 variant (DoRA), a LoRA bias or a dropout that is active applies, when its base is not a plain
-``nn.Linear`` (QLoRA), or when its base is fp32 (then nothing is cast and peft's path costs the same).
+``nn.Linear`` (QLoRA) or is sharded (FSDP), or when its base is fp32 (nothing is cast there, and
+peft's path costs the same).
 """
 
 from __future__ import annotations
@@ -34,17 +35,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_memrl.rollout.lowrank import FUSED_INPUTS
+from lightning_memrl.rollout.merged import plain_lora
 
 
 def _plain_lora(layer: Any) -> bool:
-    """A peft LoRA ``Linear`` over a plain low-precision ``nn.Linear`` with vanilla adapters."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    if type(layer) is not LoraLinear or type(layer.base_layer) is not nn.Linear or layer.fan_in_fan_out:
-        return False
-    if layer.base_layer.weight.dtype == torch.float32:
-        return False
-    return not layer.lora_variant and not any(layer.lora_bias.values())
+    """A peft LoRA ``Linear`` with vanilla adapters over a plain, unsharded low-precision ``nn.Linear``."""
+    return plain_lora(layer) and layer.base_layer.weight.dtype != torch.float32
 
 
 class InputGroup:

@@ -65,7 +65,7 @@ class _Target:
     signature: tuple[int, ...] | None = None  # versions of the weights it was merged from
 
 
-def _mergeable(layer: Any) -> bool:
+def plain_lora(layer: Any) -> bool:
     """A peft LoRA ``Linear`` over a plain, unsharded ``nn.Linear`` with vanilla adapters."""
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -88,7 +88,7 @@ def find_targets(model: nn.Module) -> list[_Target]:
     """The mergeable adapted layers of ``model`` (empty for a model without LoRA)."""
     targets = []
     for name, module in model.named_modules():
-        if name and _mergeable(module):
+        if name and plain_lora(module):
             parent_name, _, attr = name.rpartition(".")
             targets.append(_Target(model.get_submodule(parent_name), attr, module))
     return targets
