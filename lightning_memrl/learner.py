@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_memrl import allocator, distributed, guards, losses
+from lightning_memrl import adapter_groups, allocator, distributed, guards, losses
 from lightning_memrl.logprobs import head_logprobs, selected_logprobs, split_head
 from lightning_memrl.rewards import RewardFunction
 from lightning_memrl.rollout.base import RolloutBackend
@@ -311,33 +311,34 @@ def epoch_backward(
         and the sampler's log-probs.
     """
     epoch_loss, logprob_gap = 0.0, 0.0
-    for b, idx in enumerate(batches):
-        prompts, ids, m = _rows(rollouts, idx)
-        width = ids.shape[1]
-        logprobs, entropy = module.sequence_logprobs(module.policy, prompts, ids, m, with_entropy=True)
-        allocator.trim(micro_batch=True)  # the logits chunks' temporaries, before the loss and backward allocate
-        m_dev = m.to(module.device).bool()
-        old = old_lp[b] if module.grpo.ppo_epochs > 1 else logprobs.detach()
-        if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
-            rollout_lp = rollouts.rollout_logprobs[idx, :width].to(module.device)
-            logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
-        loss, stats = losses.policy_loss(
-            module.grpo,
-            logprobs,
-            old,
-            ref_lp.get(b),
-            rollouts.advantages[idx, :width].to(module.device),
-            weights[idx, :width].to(module.device),
-            entropy,
-            m_dev,
-        )
-        if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
-            loss, stats = loss * 0.0, {}
-        module.manual_backward(loss)
-        allocator.trim(micro_batch=True)  # the freed activations back to the system: RSS follows what is live
-        epoch_loss += float(loss.detach())
-        for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+    with adapter_groups.grouped(module.policy):  # LoRA over a bf16 base: siblings share one fp32 input
+        for b, idx in enumerate(batches):
+            prompts, ids, m = _rows(rollouts, idx)
+            width = ids.shape[1]
+            logprobs, entropy = module.sequence_logprobs(module.policy, prompts, ids, m, with_entropy=True)
+            allocator.trim(micro_batch=True)  # the logits chunks' temporaries, before the loss and backward allocate
+            m_dev = m.to(module.device).bool()
+            old = old_lp[b] if module.grpo.ppo_epochs > 1 else logprobs.detach()
+            if epoch == 0 and b < real_batches:  # how far the trainer's log-probs are from the sampler's
+                rollout_lp = rollouts.rollout_logprobs[idx, :width].to(module.device)
+                logprob_gap += float(((logprobs.detach() - rollout_lp).abs() * m_dev).sum())
+            loss, stats = losses.policy_loss(
+                module.grpo,
+                logprobs,
+                old,
+                ref_lp.get(b),
+                rollouts.advantages[idx, :width].to(module.device),
+                weights[idx, :width].to(module.device),
+                entropy,
+                m_dev,
+            )
+            if b >= real_batches:  # a repeat that only keeps ranks in step: no contribution
+                loss, stats = loss * 0.0, {}
+            module.manual_backward(loss)
+            allocator.trim(micro_batch=True)  # the freed activations back to the system: RSS follows what is live
+            epoch_loss += float(loss.detach())
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
     return epoch_loss, logprob_gap
 
 

@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_memrl import adapter_files, adapter_groups, allocator, console, distributed, guards, learner
+from lightning_memrl import adapter_files, allocator, console, distributed, guards, learner
 from lightning_memrl.adapters import check_base_reference
 from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
 from lightning_memrl.callbacks.base import MemRLCallback
@@ -271,8 +271,7 @@ class MemRLModule(L.LightningModule):
         self._advantages(rollouts)  # (e) (f)
         self._workflow_step(rollouts)  # the workflow's own modules (e.g. a reranker) and metrics
         update_start = time.perf_counter()
-        with adapter_groups.grouped(self.policy):  # LoRA over a bf16 base: siblings share one fp32 input
-            stats = {**self.update(rollouts), **reward_stats}  # (g)
+        stats = {**self.update(rollouts), **reward_stats}  # (g)
         timing = (rollout_time, time.perf_counter() - update_start, time.perf_counter() - step_start)
         self._log_step(rollouts, stats, timing)  # (h)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import statistics
@@ -125,3 +126,41 @@ def test_lora_update_benchmark_times_both_paths_on_the_same_work(monkeypatch: py
     # q/k/v keep one fp32 copy of their input instead of three, gate/up one instead of two: 2 x 3 x [24, 64] fp32
     assert peft["kept"]["fp32_bytes"] - grouped["kept"]["fp32_bytes"] == 2 * 3 * 24 * 64 * 4
     assert peft["kept"]["bytes"] - grouped["kept"]["bytes"] == 2 * 3 * 24 * 64 * 4
+
+
+def test_the_updates_forward_and_backward_passes_run_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_module import _data, _module
+
+    from lightning_memrl import learner
+
+    module = _module()
+    module.configure_model()
+    tasks = _data()
+    tasks.setup()
+    torch.manual_seed(0)
+    rollouts = module.rollout([t for t in tasks.train_tasks[:2] for _ in range(2)], module.generation)
+    rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    from lightning_memrl.advantages import assign_advantages
+
+    assign_advantages(rollouts, module.advantage)
+    inside, entered, passes = [False], [], []
+    grouped = adapter_groups.grouped
+
+    @contextlib.contextmanager
+    def spy(model):
+        entered.append(model)
+        inside[0] = True
+        with grouped(model) as served:
+            yield served
+        inside[0] = False
+
+    monkeypatch.setattr(adapter_groups, "grouped", spy)
+    plain = module.sequence_logprobs
+    module.sequence_logprobs = lambda *a, **k: passes.append(inside[0] or not torch.is_grad_enabled()) or plain(*a, **k)
+    module.manual_backward = lambda loss: passes.append(inside[0]) or loss.backward()
+    module.optimizers, module.lr_schedulers = (
+        (lambda: torch.optim.SGD(module.policy.parameters(), lr=0.0)),
+        (lambda: None),
+    )
+    learner.update(module, rollouts)
+    assert entered and all(model is module.policy for model in entered) and passes and all(passes)
