@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -60,24 +61,25 @@ class InputGroup:
     def active(self) -> bool:
         """Whether every member now adds exactly one active adapter without dropout (else peft serves all)."""
         for layer in self.layers:
-            if layer.disable_adapters or layer.merged or len(self._adapters(layer)) != 1:
+            if layer.disable_adapters or layer.merged or len(self.adapters(layer)) != 1:
                 return False
-            dropout = layer.lora_dropout[self._adapters(layer)[0]]
+            dropout = layer.lora_dropout[self.adapters(layer)[0]]
             if isinstance(dropout, nn.Dropout) and dropout.p > 0 and layer.training:
                 return False
         return True
 
     @staticmethod
-    def _adapters(layer: Any) -> list[str]:
+    def adapters(layer: Any) -> list[str]:
+        """The names of ``layer``'s active adapters that it has."""
         return [name for name in layer.active_adapters if name in layer.lora_A]
 
     def columns(self, index: int, x: Tensor) -> Tensor:
         """Member ``index``'s columns of ``float(x) · A_allᵀ``."""
         if x is not self._input or self._product is None:
-            weights = [layer.lora_A[self._adapters(layer)[0]].weight for layer in self.layers]
+            weights = [layer.lora_A[self.adapters(layer)[0]].weight for layer in self.layers]
             self._product = F.linear(x.to(weights[0].dtype), torch.cat(weights))  # autograd splits A's gradient
             self._input, self._waiting = x, set(range(len(self.layers)))
-            ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
+            ends = list(accumulate(w.shape[0] for w in weights))
             self._columns = [slice(end - w.shape[0], end) for end, w in zip(ends, weights)]
         product = self._product[..., self._columns[index]]
         self._waiting.discard(index)
@@ -94,7 +96,7 @@ def _grouped_forward(layer: Any, group: InputGroup, index: int, peft_forward: An
     def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if args or kwargs or not group.active():
             return peft_forward(x, *args, **kwargs)
-        name = group._adapters(layer)[0]
+        name = group.adapters(layer)[0]
         result = layer.base_layer(x)
         low_rank = F.linear(group.columns(index, x) * layer.scaling[name], layer.lora_B[name].weight)
         return torch.add(low_rank, result).to(result.dtype)  # summed in fp32, rounded once, as peft does
