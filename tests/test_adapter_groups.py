@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_module import _data, _module
 
-from lightning_memrl import adapter_groups
+from lightning_memrl import adapter_groups, learner
+from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.models import LoraSettings, load_policy
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
@@ -129,10 +131,6 @@ def test_lora_update_benchmark_times_both_paths_on_the_same_work(monkeypatch: py
 
 
 def test_the_updates_forward_and_backward_passes_run_grouped(monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_module import _data, _module
-
-    from lightning_memrl import learner
-
     module = _module()
     module.configure_model()
     tasks = _data()
@@ -140,8 +138,6 @@ def test_the_updates_forward_and_backward_passes_run_grouped(monkeypatch: pytest
     torch.manual_seed(0)
     rollouts = module.rollout([t for t in tasks.train_tasks[:2] for _ in range(2)], module.generation)
     rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
-    from lightning_memrl.advantages import assign_advantages
-
     assign_advantages(rollouts, module.advantage)
     inside, entered, passes = [False], [], []
     grouped = adapter_groups.grouped
