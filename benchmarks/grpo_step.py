@@ -62,6 +62,7 @@ import bench_utils as bu
 PROMPT = "The secret code of Bruno is 7390. What is the secret code of Bruno? Reply with the four digits only."
 ANSWER = "7390"
 PHASES = ["rollout_s", "reference_s", "update_s", "other_s", "step_s"]
+POST_IMPORT_RSS_MIB = 0.0  # a worker's RSS once its imports are done (set by worker_main)
 WORKERS = {side: Path(__file__).with_name(f"grpo_step_{side}.py") for side in ("ours", "trl")}  # one process a side
 LABELS = {
     "rollout_s": "rollout (s)",
@@ -73,6 +74,8 @@ LABELS = {
     "loaded_rss_mib": "RSS after loading (MiB)",
     "peak_rss_mib": "peak RSS (MiB)",
     "model_mib": "policy weights (MiB)",
+    "post_import_rss_mib": "RSS after the imports (MiB)",
+    "peak_over_weights": "(peak RSS - RSS after the imports) / policy weights",
 }
 
 
@@ -139,11 +142,14 @@ def worker_result(
         "model_mib": bu.param_mib(model),
         "loaded_rss_mib": loaded_rss,
         "peak_rss_mib": bu.peak_rss_mib(),
+        "post_import_rss_mib": POST_IMPORT_RSS_MIB,
     }
 
 
 def worker_main(worker: Callable[[argparse.Namespace], dict[str, Any]]) -> None:
     """A side's worker script: read the driver's options, run ``worker``, write its result to ``--worker_out``."""
+    global POST_IMPORT_RSS_MIB
+    POST_IMPORT_RSS_MIB = bu.rss_mib()  # the worker's imports are done: its baseline
     args = parse_args()
     Path(args.worker_out).write_text(json.dumps(worker(args)))
 
@@ -172,7 +178,9 @@ def side_results(args: argparse.Namespace, raw: dict[str, dict[str, Any]]) -> di
         expected = args.group * args.new_tokens
         if summary["generated_tokens"] != expected:
             print(f"warning: {side} generated {summary['generated_tokens']} tokens per step, not {expected}")
-        results[side] = {**summary, **{k: r[k] for k in ("settings", "model_mib", "loaded_rss_mib", "peak_rss_mib")}}
+        keys = ("settings", "model_mib", "loaded_rss_mib", "peak_rss_mib", "post_import_rss_mib")
+        results[side] = {**summary, **{k: r[k] for k in keys}}
+        results[side]["peak_over_weights"] = (r["peak_rss_mib"] - r["post_import_rss_mib"]) / r["model_mib"]
         results[side]["prompt_tokens"] = len(r["prompt_ids"])
         results[side]["steps"] = r["steps"]
     return results

@@ -15,6 +15,7 @@ import torch
 
 from lightning_memrl.adapter_files import adapter_base, check_adapter_loading, merge_adapter_folder
 from lightning_memrl.adapters import LoraSettings, add_lora
+from lightning_memrl.cast_loading import read_when_casting
 from lightning_memrl.data.synthetic import synthetic_corpus
 from lightning_memrl.model_paths import TINY, hub_options, loading_errors
 from lightning_memrl.quantization import DTYPES, QuantizationSettings, check_quantization, prepare_quantized
@@ -165,9 +166,10 @@ def _load_pretrained(
                 return AutoModelForCausalLM.from_config(
                     config, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=hub["trust_remote_code"]
                 )
-        return AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=torch_dtype, attn_implementation=attn, **hub, **extra
-        )
+        with read_when_casting(torch_dtype):  # a cast load reads each tensor once instead of mapping the file
+            return AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=torch_dtype, attn_implementation=attn, **hub, **extra
+            )
 
 
 def _enable_gradient_checkpointing(model: Any, adapters: bool) -> None:
