@@ -405,3 +405,23 @@ def test_ablation_targets_not_measurable_without_their_runs(bench):
     targets = report.target_readings([], {})
     assert targets == {"grpo_4_chunk_gain": None, "best_over_grpo": None, "retention": {}}
     assert report.targets_text(targets).count("not measurable") == 2
+
+
+def test_grpo_step_reports_peak_above_post_import_over_weights(bench):
+    _, grpo_step = bench
+    args = grpo_step.parse_args(["--group", "2", "--new_tokens", "3", "--warmup", "0"])
+    step = {"rollout_s": 1.0, "reference_s": 0.5, "update_s": 2.0, "step_s": 4.0, "other_s": 0.5, "generated_tokens": 6.0}
+    raw = {
+        "ours": {
+            "steps": [step],
+            "settings": "",
+            "prompt_ids": [1, 2],
+            "model_mib": 200.0,
+            "loaded_rss_mib": 700.0,
+            "peak_rss_mib": 1100.0,
+            "post_import_rss_mib": 500.0,
+        }
+    }
+    ours = grpo_step.side_results(args, raw)["ours"]
+    assert ours["peak_over_weights"] == pytest.approx((1100 - 500) / 200)  # 3.0: the memory target reads 1.5
+    assert ours["post_import_rss_mib"] == 500.0

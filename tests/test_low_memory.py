@@ -1,0 +1,36 @@
+"""examples/low_memory.yaml: checkpointed layers and a rollout without packed or merged copies, and it trains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from helpers import quiet_trainer
+
+from lightning_memrl import RolloutEngine
+from lightning_memrl.cli_parser import MemRLCLI
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_low_memory_overlay_builds_and_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    configs = ["--config", str(REPO / "configs/memagent/tiny.yaml"), "--config", str(REPO / "examples/low_memory.yaml")]
+    lora = ["--model.init_args.lora.r=4", "--model.init_args.lora.lora_alpha=8"]
+    cli = MemRLCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=[*configs, *lora, "--trainer.logger=false"],
+        save_config_callback=None,
+    )
+    module = cli.model
+    module.configure_model()
+    engine = module.engine
+    assert type(engine) is RolloutEngine and engine.packed is None and engine.merged is None
+    assert module.policy.get_base_model().is_gradient_checkpointing
+    quiet_trainer(tmp_path, steps=2).fit(module, cli.datamodule)
+    assert module.global_step == 2
+    assert 0 <= float(module.trainer.callback_metrics["train/logprob_gap"]) < 1e-3
