@@ -410,7 +410,8 @@ def test_ablation_targets_not_measurable_without_their_runs(bench):
 def test_grpo_step_reports_peak_above_post_import_over_weights(bench):
     _, grpo_step = bench
     args = grpo_step.parse_args(["--group", "2", "--new_tokens", "3", "--warmup", "0"])
-    step = {"rollout_s": 1.0, "reference_s": 0.5, "update_s": 2.0, "step_s": 4.0, "other_s": 0.5, "generated_tokens": 6.0}
+    step = {"rollout_s": 1.0, "reference_s": 0.5, "update_s": 2.0, "step_s": 4.0, "other_s": 0.5}
+    step["generated_tokens"] = 6.0
     raw = {
         "ours": {
             "steps": [step],
