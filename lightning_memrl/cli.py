@@ -10,9 +10,10 @@ import lightning as L
 import lightning_memrl  # noqa: F401  (registers MemRLModule, MemRLDataModule)
 import lightning_memrl.sft  # noqa: F401  (registers the warm-start stage's classes)
 from lightning_memrl.cli_parser import MemRLCLI
-from lightning_memrl.errors import find_user_error
+from lightning_memrl.errors import ConfigError, find_user_error
 from lightning_memrl.export import main as export_main
 from lightning_memrl.plot import main as plot_main
+from lightning_memrl.preload import maybe_reexec
 from lightning_memrl.threads import configure_threads_at_start
 
 
@@ -37,6 +38,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "plot":
         plot_main(sys.argv[2:])
         return
+    try:
+        maybe_reexec(sys.argv)  # fit/validate/test/predict start again under tcmalloc where it is installed
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     configure_threads_at_start()  # torch CPU threads from the CPUs this process may use, unless OMP_NUM_THREADS is set
     if len(sys.argv) > 1 and sys.argv[1] == "export":  # lightning-memrl export CKPT OUT [--merge]
         export_main(sys.argv[2:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_memrl import allocator
+from lightning_memrl import allocator, preload
 from lightning_memrl.allocator import user_choice
 from lightning_memrl.errors import ConfigError
 
@@ -79,3 +79,15 @@ def test_an_unknown_setting_stops_naming_the_variable() -> None:
     allocator.check_setting({})
     with pytest.raises(ConfigError, match="LIGHTNING_MEMRL_MALLOC='phase'.*'glibc'.*'phases'"):
         allocator.check_setting({"LIGHTNING_MEMRL_MALLOC": "phase"})
+
+
+def test_trim_and_tcmalloc_settings_keep_every_trim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'trim' (and 'tcmalloc' in a process that was not restarted under it) trim as the default does."""
+    for value in ("trim", "tcmalloc"):
+        allocator.check_setting({"LIGHTNING_MEMRL_MALLOC": value})
+        assert allocator.user_choice({"LIGHTNING_MEMRL_MALLOC": value}) is None
+        libc = FakeLibc()
+        monkeypatch.setenv("LIGHTNING_MEMRL_MALLOC", value)
+        allocator.trim(libc, micro_batch=True)
+        assert libc.trims == [0]
+    assert preload.preload_environment({"LIGHTNING_MEMRL_MALLOC": "trim"}, "/lib/libtcmalloc.so.4", "linux") is None
