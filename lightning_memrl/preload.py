@@ -97,7 +97,8 @@ def maybe_reexec(argv: Sequence[str]) -> None:
     if environ is None:
         return
     if environ.get("LOCAL_RANK", "0") == "0":
-        print(f"memory allocator: tcmalloc ({library}); {allocator.OPT_OUT}=trim runs glibc's (lower peak)", file=sys.stderr)
+        line = f"memory allocator: tcmalloc ({library}); {allocator.OPT_OUT}=trim runs glibc's (lower peak)"
+        print(line, file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
