@@ -80,8 +80,23 @@ def code_version() -> str:
     return commit + ("+modified" if dirty else "")
 
 
-def machine(threads: int) -> dict[str, Any]:
-    """Facts that make a timing comparable: CPU, ISA level and flags, bf16 support, threads, versions, commit."""
+def allocator(cli: bool = False) -> str:
+    """The memory allocator a run uses: ``LD_PRELOAD``'s, else (``cli``: a ``lightning-memrl`` run) tcmalloc where
+    the program restarts under it (``lightning_memrl.preload``), else glibc with the module's trimming setting."""
+    from lightning_memrl import preload
+
+    if os.environ.get("LD_PRELOAD"):
+        return f"LD_PRELOAD={os.environ['LD_PRELOAD']}"
+    if cli:
+        restart = preload.preload_environment(os.environ, preload.find_tcmalloc(), sys.platform)
+        if restart is not None:
+            return f"tcmalloc ({restart['LD_PRELOAD']}), the CLI's choice"
+    return f"glibc, LIGHTNING_MEMRL_MALLOC={os.environ.get('LIGHTNING_MEMRL_MALLOC') or 'unset (trim)'}"
+
+
+def machine(threads: int, cli: bool = False) -> dict[str, Any]:
+    """Facts that make a timing comparable: CPU, ISA level and flags, bf16 support, threads, versions, commit,
+    and the memory allocator (``cli``: of a ``lightning-memrl`` run, see :func:`allocator`)."""
     import transformers
 
     return {
@@ -96,6 +111,7 @@ def machine(threads: int) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "code": code_version(),
+        "allocator": allocator(cli),
     }
 
 

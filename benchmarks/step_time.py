@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(["python benchmarks/step_time.py", *(argv if argv is not None else sys.argv[1:])]),
         "config": str(Path(args.config)),
         "steps_measured": len(rows),
-        "machine": bu.machine(args.threads),  # 0: the CLI picked its own count
+        "machine": bu.machine(args.threads, cli=True),  # threads 0: the CLI picked its own count
         "median": {k: statistics.median(float(r[k]) for r in rows) for k in KEYS if rows and _logged_by_all(rows, k)},
     }
     out = bu.write_result(bu.tagged(f"step_time_{config.stem}", args.tag), result)

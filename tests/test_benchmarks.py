@@ -426,3 +426,20 @@ def test_grpo_step_reports_peak_above_post_import_over_weights(bench):
     ours = grpo_step.side_results(args, raw)["ours"]
     assert ours["peak_over_weights"] == pytest.approx((1100 - 500) / 200)  # 3.0: the memory target reads 1.5
     assert ours["post_import_rss_mib"] == 500.0
+
+
+def test_machine_names_the_allocator_a_run_uses(bench, monkeypatch):
+    bu, _ = bench
+    from lightning_memrl import preload
+
+    for name in ("LD_PRELOAD", "LIGHTNING_MEMRL_MALLOC", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(preload, "find_tcmalloc", lambda: "/lib/libtcmalloc_minimal.so.4")
+    assert bu.allocator() == "glibc, LIGHTNING_MEMRL_MALLOC=unset (trim)"  # a worker process is not restarted
+    assert bu.allocator(cli=True) == "tcmalloc (/lib/libtcmalloc_minimal.so.4), the CLI's choice"
+    monkeypatch.setenv("LIGHTNING_MEMRL_MALLOC", "phases")
+    assert bu.allocator(cli=True) == "glibc, LIGHTNING_MEMRL_MALLOC=phases"
+    monkeypatch.setenv("LD_PRELOAD", "/lib/libjemalloc.so.2")
+    assert bu.allocator() == "LD_PRELOAD=/lib/libjemalloc.so.2"
+    assert bu.machine(2, cli=True)["allocator"] == "LD_PRELOAD=/lib/libjemalloc.so.2"
