@@ -110,3 +110,18 @@ def sft_fit_losses(tmp_path, config: Path, root: str, *args: str) -> list[float]
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = list(csv.DictReader(open(next((tmp_path / root / "csv").glob("version_*/metrics.csv")))))
     return [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+
+
+def parsed_cli(args: list[str]):
+    """The ``lightning-memrl`` parser's objects for ``args`` (model and data built, nothing run)."""
+    from lightning_memrl.cli_parser import MemRLCLI
+
+    return MemRLCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=args,
+        save_config_callback=None,
+    )

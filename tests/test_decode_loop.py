@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import quiet_trainer, sampler_and_learner_logprobs
+from helpers import parsed_cli, quiet_trainer, sampler_and_learner_logprobs
 
 from lightning_memrl import GenerationSettings, LoraSettings, MemRLModule
 from lightning_memrl.errors import ConfigError
@@ -180,20 +180,10 @@ def test_next_rollout_samples_the_weights_of_the_last_optimizer_step(lora):
 
 
 def test_chosen_from_yaml_and_trains(tmp_path, monkeypatch):
-    import lightning as L
-
-    from lightning_memrl.cli_parser import MemRLCLI
-
     monkeypatch.chdir(tmp_path)
     overlay = REPO / "examples" / "decode_loop.yaml"
-    cli = MemRLCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", str(REPO / "configs/memagent/tiny.yaml"), "--config", str(overlay), "--trainer.logger=false"],
-        save_config_callback=None,
+    cli = parsed_cli(
+        ["--config", str(REPO / "configs/memagent/tiny.yaml"), "--config", str(overlay), "--trainer.logger=false"]
     )
     module = cli.model
     module.configure_model()

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning as L
-from helpers import quiet_trainer
+from helpers import parsed_cli, quiet_trainer
 
 from lightning_memrl import RolloutEngine
-from lightning_memrl.cli_parser import MemRLCLI
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,15 +15,7 @@ def test_low_memory_overlay_builds_and_trains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     configs = ["--config", str(REPO / "configs/memagent/tiny.yaml"), "--config", str(REPO / "examples/low_memory.yaml")]
     lora = ["--model.init_args.lora.r=4", "--model.init_args.lora.lora_alpha=8"]
-    cli = MemRLCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=[*configs, *lora, "--trainer.logger=false"],
-        save_config_callback=None,
-    )
+    cli = parsed_cli([*configs, *lora, "--trainer.logger=false"])
     module = cli.model
     module.configure_model()
     engine = module.engine
