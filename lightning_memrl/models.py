@@ -174,7 +174,10 @@ def _load_pretrained(
 
 def _enable_gradient_checkpointing(model: Any, adapters: bool) -> None:
     """Recompute activations in backward (non-reentrant); with adapters the inputs need grads to reach them."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # generation turns it back on per call
     if adapters:
         model.enable_input_require_grads()

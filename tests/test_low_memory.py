@@ -20,7 +20,8 @@ def test_low_memory_overlay_builds_and_trains(tmp_path, monkeypatch):
     module.configure_model()
     engine = module.engine
     assert type(engine) is RolloutEngine and engine.packed is None and engine.merged is None
-    assert module.policy.get_base_model().is_gradient_checkpointing
+    layers = module.policy.get_base_model().model.layers
+    assert all(layer.gradient_checkpointing for layer in layers)  # every decoder layer recomputed in backward
     quiet_trainer(tmp_path, steps=2).fit(module, cli.datamodule)
     assert module.global_step == 2
     assert 0 <= float(module.trainer.callback_metrics["train/logprob_gap"]) < 1e-3
