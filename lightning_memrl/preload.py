@@ -14,7 +14,8 @@ the command again under tcmalloc: when it runs as the ``lightning-memrl`` progra
 call it) with a subcommand that runs a model, on Linux, where a tcmalloc library is installed (e.g. Debian's
 ``libtcmalloc-minimal4``) and the user made no allocator choice of their own (``LD_PRELOAD``, ``MALLOC_*``
 settings, ``LIGHTNING_MEMRL_MALLOC=glibc``, ``phases`` or ``trim``: glibc trimmed as
-:mod:`lightning_memrl.allocator` describes, the lowest peak). ``LIGHTNING_MEMRL_TCMALLOC`` names the library
+:mod:`lightning_memrl.allocator` describes, which hands freed pages back between phases where tcmalloc keeps
+them for the rest of the run). ``LIGHTNING_MEMRL_TCMALLOC`` names the library
 where it is in none of the folders searched; ``LIGHTNING_MEMRL_MALLOC=tcmalloc`` asks for it and stops with
 a message where none is found.
 """
@@ -97,7 +98,7 @@ def maybe_reexec(argv: Sequence[str]) -> None:
     if environ is None:
         return
     if environ.get("LOCAL_RANK", "0") == "0":
-        line = f"memory allocator: tcmalloc ({library}); {allocator.OPT_OUT}=trim runs glibc's (lower peak)"
+        line = f"memory allocator: tcmalloc ({library}); {allocator.OPT_OUT}=trim runs glibc's, trimmed"
         print(line, file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()
