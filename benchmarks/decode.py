@@ -16,10 +16,9 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
 * engine: ``RolloutEngine.generate`` (sampling at T=1, log-probs of the sampled tokens, generate's
   per-token work): the time of ``--steps`` + 1 new tokens minus the time of 1 new token (same
   prefill), over the decode forwards counted at the input embedding; median of ``--repeats``.
-* engine unfolded / unpacked / unlean: the engine with ``fold_decode_attention: false`` (bf16/fp16 decode
-  attention through ``sdpa`` as loaded) / with ``pack_weights: false`` / with ``lean_decode_layers: false``;
-  reserved / unreserved: with ``reserve_kv_cache: true`` (the default) / ``false`` (``generate``'s
-  concatenating cache).
+* engine unfolded / unpacked: the engine with ``fold_decode_attention: false`` (bf16/fp16 decode
+  attention through ``sdpa`` as loaded) / with ``pack_weights: false``; reserved / unreserved: with
+  ``reserve_kv_cache: true`` (the default) / ``false`` (``generate``'s concatenating cache).
 * loop: the decode-loop backend (``DecodeLoopEngine``), timed as the engine, with its static cache and with
   the dynamic one; with ``--compile`` also its ``torch.compile``-d step: the warm-up (the first call's
   time minus the same call's once compiled) and the step after it.
@@ -63,7 +62,6 @@ LABELS = {
     "engine_unpacked_ms": "our engine, weights not packed (`pack_weights: false`) (ms)",
     "engine_unfolded_ms": "our engine, decode attention not folded (`fold_decode_attention: false`) (ms)",
     "engine_reserved_ms": "our engine, reserved KV cache (`reserve_kv_cache: true`) (ms)",
-    "engine_unlean_ms": "our engine, decoder layers' own forward (`lean_decode_layers: false`) (ms)",
     "engine_unreserved_ms": "our engine, generate's own KV cache (`reserve_kv_cache: false`) (ms)",
     "pack_s": "packing the weights, once per rollout (s)",
     "engine_lora_ms": "engine, LoRA: merged (fp32) or low-rank stand-ins (bf16) (ms)",
@@ -196,8 +194,6 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str) -> dict[str, Any
     row["engine_unpacked_ms"] = engine_decode_ms(unpacked, prompts.tolist(), args.steps, args.repeats)
     unfolded = RolloutEngine(model, tokenizer, fold_decode_attention=False)
     row["engine_unfolded_ms"] = engine_decode_ms(unfolded, prompts.tolist(), args.steps, args.repeats)
-    unlean = RolloutEngine(model, tokenizer, lean_decode_layers=False)
-    row["engine_unlean_ms"] = engine_decode_ms(unlean, prompts.tolist(), args.steps, args.repeats)
     for key, reserve in (("engine_reserved_ms", True), ("engine_unreserved_ms", False)):
         engine = RolloutEngine(model, tokenizer, reserve_kv_cache=reserve)
         row[key] = engine_decode_ms(engine, prompts.tolist(), args.steps, args.repeats)
@@ -215,7 +211,6 @@ def time_dtype(args: argparse.Namespace, path: str, dtype: str) -> dict[str, Any
     row["engine_over_bare"] = row["engine_ms"] / row["bare_ms"]
     row["packed_over_unpacked"] = row["engine_ms"] / row["engine_unpacked_ms"]
     row["folded_over_unfolded"] = row["engine_ms"] / row["engine_unfolded_ms"]
-    row["lean_over_unlean"] = row["engine_ms"] / row["engine_unlean_ms"]
     row["reserved_over_unreserved"] = row["engine_reserved_ms"] / row["engine_unreserved_ms"]
     row["loop_over_engine"] = row["loop_static_ms"] / row["engine_ms"]
     return row

@@ -67,7 +67,6 @@ class DecodeLoopEngine(RolloutEngine):
         merge_adapters: with LoRA, sample from merged weights (see ``RolloutEngine``).
         pack_weights: on CPU, linear layers on oneDNN-packed weights while sampling (see ``RolloutEngine``).
         fold_decode_attention: on CPU in bf16/fp16, folded decode-step attention (see ``RolloutEngine``).
-        lean_decode_layers: Llama decoder layers' decode steps in fewer operations (see ``RolloutEngine``).
         cache: ``static`` (a ``StaticCache`` sized to prompt + ``max_new_tokens``, written in place)
             or ``dynamic`` (``DynamicCache``, grown by concatenation).
         drop_finished: take rows that have emitted EOS out of the decode batch (and the cache).
@@ -84,17 +83,9 @@ class DecodeLoopEngine(RolloutEngine):
         drop_finished: bool = True,
         pack_weights: bool = True,
         fold_decode_attention: bool = True,
-        lean_decode_layers: bool = True,
     ) -> None:
         super().__init__(
-            model,
-            tokenizer,
-            share_prefixes,
-            min_shared_prefix,
-            merge_adapters,
-            pack_weights,
-            fold_decode_attention,
-            lean_decode_layers=lean_decode_layers,
+            model, tokenizer, share_prefixes, min_shared_prefix, merge_adapters, pack_weights, fold_decode_attention
         )
         if cache not in ("static", "dynamic"):
             raise ConfigError(f"model.init_args.rollout.init_args.cache must be 'static' or 'dynamic' (got {cache!r})")

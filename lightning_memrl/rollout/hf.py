@@ -22,7 +22,6 @@ from lightning_memrl.logprobs import selected_logprobs
 from lightning_memrl.rollout.attention import decode_attention
 from lightning_memrl.rollout.base import RolloutBackend
 from lightning_memrl.rollout.kv_cache import reserved_cache
-from lightning_memrl.rollout.lean_layers import lean_decode
 from lightning_memrl.rollout.merged import MergedAdapters
 from lightning_memrl.rollout.packed import PackedLinears
 from lightning_memrl.rollout.prefix import (
@@ -144,8 +143,6 @@ class RolloutEngine(RolloutBackend):
         reserve_kv_cache: decode into a KV cache with room reserved for the new tokens, written in place
             (:mod:`lightning_memrl.rollout.kv_cache`); False: ``generate``'s own cache, which copies every
             layer's cache at every decode step.
-        lean_decode_layers: Llama decoder layers run a decode step in fewer operations, bit for bit the same
-            (:mod:`lightning_memrl.rollout.lean_layers`); False: their own forward.
     """
 
     def __init__(
@@ -158,10 +155,8 @@ class RolloutEngine(RolloutBackend):
         pack_weights: bool = True,
         fold_decode_attention: bool = True,
         reserve_kv_cache: bool = True,
-        lean_decode_layers: bool = True,
     ) -> None:
         self.model = model
-        self.lean_decode_layers = lean_decode_layers
         self.fold_decode_attention = fold_decode_attention
         self.reserve_kv_cache = reserve_kv_cache
         self.tokenizer = tokenizer
@@ -195,13 +190,11 @@ class RolloutEngine(RolloutBackend):
 
     @contextmanager
     def sampling_weights(self) -> Iterator[None]:
-        """Inside: the model samples from merged LoRA weights and packed linear layers, where enabled, with
-        folded decode-step attention and lean decoder layers."""
+        """Inside: the model samples from merged LoRA weights and packed linear layers, where enabled, and
+        with folded decode-step attention."""
         with ExitStack() as stack:
             if self.fold_decode_attention:
                 stack.enter_context(decode_attention(self.model))
-            if self.lean_decode_layers:
-                stack.enter_context(lean_decode(self.model))
             if self.merged:
                 stack.enter_context(self.merged.swapped())
             if self.packed is not None:
