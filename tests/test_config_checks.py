@@ -83,9 +83,8 @@ def test_find_user_error_walks_the_chain():
 
 def test_every_shipped_config_passes_the_checks(tmp_path, monkeypatch):
     """configs/*/*.yaml instantiate (model and data) with the checks in place, as `lightning-memrl` parses them."""
-    import lightning as L
+    from helpers import parsed_cli
 
-    from lightning_memrl.cli_parser import MemRLCLI
     from lightning_memrl.sft import MemorySFTModule
 
     monkeypatch.chdir(tmp_path)
@@ -97,15 +96,7 @@ def test_every_shipped_config_passes_the_checks(tmp_path, monkeypatch):
         args = ["--config", str(config), *cpu, "--trainer.precision=32-true"]
         if "sft" in config.name:  # the warm-start stage's data needs its LoCoMo path (read at setup)
             args.append(f"--data.init_args.locomo_path={tmp_path}")
-        cli = MemRLCLI(
-            L.LightningModule,  # the command's bases: any class_path (GRPO or the warm-start stage)
-            L.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            run=False,
-            args=args,
-            save_config_callback=None,
-        )
+        cli = parsed_cli(args)  # the command's bases: any class_path (GRPO or the warm-start stage)
         if isinstance(cli.model, MemorySFTModule):
             kinds.add("sft")
             assert cli.datamodule.batch_size >= 1, config.name
