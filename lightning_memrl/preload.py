@@ -93,7 +93,7 @@ def maybe_reexec(argv: Sequence[str]) -> None:
     """
     if len(argv) < 2 or argv[1] not in MODEL_SUBCOMMANDS or not runs_as_program(sys.orig_argv):
         return
-    library = find_tcmalloc() if os.environ.get(allocator.OPT_OUT, "").lower() in ("", allocator.TCMALLOC) else None
+    library = find_tcmalloc()
     environ = preload_environment(os.environ, library, sys.platform)
     if environ is None:
         return

@@ -125,3 +125,13 @@ def parsed_cli(args: list[str]):
         args=args,
         save_config_callback=None,
     )
+
+
+def scored_rollouts(module, tasks, rewards: list[float]) -> RolloutBatch:
+    """Rollouts of the first two training tasks of ``tasks`` (set up), twice each, with ``rewards`` and advantages."""
+    from lightning_memrl.advantages import assign_advantages
+
+    rollouts = module.rollout([t for t in tasks.train_tasks[:2] for _ in range(2)], module.generation)
+    rollouts.rewards = torch.tensor(rewards)
+    assign_advantages(rollouts, module.advantage)
+    return rollouts

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import scored_rollouts
 from test_module import _data, _module
 
 from lightning_memrl import adapter_groups, learner
-from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.models import LoraSettings, load_policy
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
@@ -136,9 +136,7 @@ def test_the_updates_forward_and_backward_passes_run_grouped(monkeypatch: pytest
     tasks = _data()
     tasks.setup()
     torch.manual_seed(0)
-    rollouts = module.rollout([t for t in tasks.train_tasks[:2] for _ in range(2)], module.generation)
-    rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
-    assign_advantages(rollouts, module.advantage)
+    rollouts = scored_rollouts(module, tasks, [1.0, 0.0, 0.5, 0.25])
     inside, entered, passes = [False], [], []
     grouped = adapter_groups.grouped
 

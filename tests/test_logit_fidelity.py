@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import sampler_and_learner_logprobs
+from helpers import sampler_and_learner_logprobs, scored_rollouts
 
 from lightning_memrl import GenerationSettings, MemRLModule, losses
-from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.rollout.hf import RolloutEngine
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
@@ -114,9 +113,7 @@ def test_first_ppo_epoch_ratio_is_exactly_one_with_lora_dropout(disable_dropout,
     data = MemRLDataModule(batch_size=2, synthetic=SyntheticTaskSettings(num_tasks=2, sentences_per_chunk=1))
     data.setup()
     torch.manual_seed(0)
-    rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
-    rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    assign_advantages(rollouts, module.advantage)
+    rollouts = scored_rollouts(module, data, [1.0, 0.0, 0.5, 0.0])
     ratios, loss = [], losses.policy_loss
 
     def recording_loss(settings, logprobs, old, *args):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import AnswerLength, quiet_trainer
+from helpers import AnswerLength, quiet_trainer, scored_rollouts
 
 from lightning_memrl import (
     GenerationSettings,
@@ -17,7 +17,7 @@ from lightning_memrl import (
     OptimizerSettings,
     SyntheticTaskSettings,
 )
-from lightning_memrl.advantages import AdvantageEstimator, GroupRelative, assign_advantages
+from lightning_memrl.advantages import AdvantageEstimator, GroupRelative
 from lightning_memrl.callbacks import MemRLCallback
 from lightning_memrl.learner import micro_batches
 
@@ -127,9 +127,7 @@ def _grads_after_update(micro_batch_tokens, aggregation):
     module.configure_model()
     tasks = _data()
     tasks.setup()
-    rollouts = module.rollout([t for t in tasks.train_tasks[:2] for _ in range(2)], module.generation)
-    rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    assign_advantages(rollouts, module.advantage)
+    rollouts = scored_rollouts(module, tasks, [1.0, 0.0, 0.5, 0.0])
 
     class _Opt:  # capture gradients instead of stepping
         param_groups = [{"lr": 0.0}]

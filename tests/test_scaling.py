@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import AnswerLength, quiet_trainer
+from helpers import AnswerLength, quiet_trainer, scored_rollouts
 
 from lightning_memrl import (
     GenerationSettings,
@@ -21,7 +21,6 @@ from lightning_memrl import (
     SyntheticTaskSettings,
     learner,
 )
-from lightning_memrl.advantages import assign_advantages
 from lightning_memrl.models import QuantizationSettings, build_tiny_model, load_policy, resolve_attn_implementation
 
 
@@ -178,9 +177,7 @@ def _update_grads(gradient_checkpointing: bool, rollouts=None, lora_state=None, 
         data = _data()
         data.setup()
         torch.manual_seed(0)
-        rollouts = module.rollout([t for t in data.train_tasks[:2] for _ in range(2)], module.generation)
-        rollouts.rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-        assign_advantages(rollouts, module.advantage)
+        rollouts = scored_rollouts(module, data, [1.0, 0.0, 0.5, 0.0])
 
     captured = {}
 
