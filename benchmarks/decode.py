@@ -20,8 +20,9 @@ Per weight dtype (``--dtypes``), at batch ``--batch`` after a prompt of ``--prom
   attention through ``sdpa`` as loaded) / with ``pack_weights: false``; reserved / unreserved: with
   ``reserve_kv_cache: true`` (the default) / ``false`` (``generate``'s concatenating cache).
 * loop: the decode-loop backend (``DecodeLoopEngine``), timed as the engine, with its static cache and with
-  the dynamic one; with ``--compile`` also its ``torch.compile``-d step: the warm-up (the first call's
-  time minus the same call's once compiled) and the step after it.
+  the dynamic one; with ``--compile`` also its ``torch.compile``-d step over plain layers (static cache
+  rounded up to 64 columns): the warm-up (the first call's time minus the same call's once compiled) and the
+  step after it.
 * with ``--lora_r``: the engine over the same weights with LoRA adapters (alpha 2r, every linear
   layer) on its default LoRA path (merged weights over an fp32 base, low-rank stand-ins over a bf16
   one: ``lightning_memrl.rollout.merged``) and through peft's layers (``merge_adapters: false``).
@@ -33,10 +34,13 @@ with the machine (CPU flags included). Timings on a CPU other jobs share are not
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +60,8 @@ LABELS = {
     "engine_ms": "**our engine's decode step (ms)**",
     "loop_static_ms": "decode-loop backend, static cache (ms)",
     "loop_dynamic_ms": "decode-loop backend, dynamic cache (ms)",
-    "loop_compiled_ms": "decode-loop backend, compiled step (ms)",
-    "loop_compile_warmup_s": "compile warm-up, first call (s)",
+    "loop_compiled_ms": "decode-loop backend, compiled step, plain layers (ms)",
+    "loop_compiled_warmup_s": "its compile warm-up, first call (s)",
     "bare_packed_ms": "bare step, oneDNN-packed weights (ms)",
     "engine_unpacked_ms": "our engine, weights not packed (`pack_weights: false`) (ms)",
     "engine_unfolded_ms": "our engine, decode attention not folded (`fold_decode_attention: false`) (ms)",
@@ -161,13 +165,67 @@ def loop_rows(model: Any, tokenizer: Any, prompts: list[list[int]], args: argpar
         engine = DecodeLoopEngine(model, tokenizer, cache=cache)
         row[f"loop_{cache}_ms"] = engine_decode_ms(engine, prompts, args.steps, args.repeats)
     if args.compile:
-        engine = DecodeLoopEngine(model, tokenizer, cache="static", drop_finished=False)
-        engine._step = torch.compile(engine._step, dynamic=False)  # the backend has no such option: measured here
-        settings = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=2)
-        first = _timed(engine.generate, prompts, settings)  # compiles (prompt + 2 and + steps share a cache length)
-        row["loop_compile_warmup_s"] = first - _timed(engine.generate, prompts, settings)
-        row["loop_compiled_ms"] = engine_decode_ms(engine, prompts, args.steps, args.repeats)
+        row.update(compiled_loop_rows(model, tokenizer, prompts, args))
     return row
+
+
+class BucketedLoop(DecodeLoopEngine):
+    """The decode loop with one static cache per length, rounded up to a multiple of 64 columns and reset between
+    calls, so that calls share one compiled step (the compiled code is guarded on the cache's tensors: with
+    ``dynamic=False`` a new cache or length compiles anew)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.caches: dict[int, Any] = {}
+
+    def _cache_len(self, width: int, max_new_tokens: int) -> int:
+        return -(-(width + max_new_tokens) // 64) * 64
+
+    def _new_cache(self, length: int) -> Any:
+        if length not in self.caches:
+            self.caches[length] = super()._new_cache(length)
+        self.caches[length].reset()
+        return self.caches[length]
+
+
+def compiled_loop_rows(model: Any, tokenizer: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """The decode loop's step under ``torch.compile`` (inductor, static shapes) and the warm-up it costs.
+
+    Inductor cannot lower oneDNN-packed weights or the folded attention, so the compiled step runs over the
+    plain layers (``pack_weights: false``, ``fold_decode_attention: false``). Inductor's ``freezing`` (weights
+    prepacked as constants) is not timed: it would sample from stale weights after an optimizer step, and with
+    ``transformers``' ``StaticCache`` its compiled step aborted with an out-of-bounds cache index on the second
+    call (torch 2.13). The decode loop stops early only when every row has emitted EOS (``drop_finished: false``),
+    so a call of ``steps + 1`` new tokens runs ``steps`` decode forwards.
+    """
+    torch._dynamo.reset()
+    engine = BucketedLoop(
+        model, tokenizer, cache="static", drop_finished=False, pack_weights=False, fold_decode_attention=False
+    )
+    engine._step = torch.compile(engine._step, dynamic=False)  # the backend has no such option: measured here
+    settings = GenerationSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.steps + 1)
+    with tempfile.TemporaryDirectory() as cache_dir, _environ(TORCHINDUCTOR_CACHE_DIR=cache_dir):  # a cold compile
+        first = _timed(engine.generate, prompts, settings)
+        per_step = []
+        for _ in range(args.repeats):  # no DecodeCounter: a forward hook makes the compiled step recompile
+            many = _timed(engine.generate, prompts, settings)
+            per_step.append((many - _timed(engine.generate, prompts, settings, max_new_tokens=1)) / args.steps)
+    torch._dynamo.reset()
+    return {"loop_compiled_warmup_s": first - many, "loop_compiled_ms": statistics.median(per_step) * 1e3}
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def time_dtype(args: argparse.Namespace, path: str, dtype: str) -> dict[str, Any]:

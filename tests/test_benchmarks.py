@@ -19,6 +19,8 @@ import pytest
 import torch
 import yaml
 
+from lightning_memrl import GenerationSettings
+
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 
@@ -100,6 +102,31 @@ def test_decode_reports_floor_bare_and_engine_steps_per_dtype(bench, monkeypatch
         assert row["engine_over_floor"] == pytest.approx(row["engine_ms"] / row["floor_ms"])
         assert row["loop_over_engine"] == pytest.approx(row["loop_static_ms"] / row["engine_ms"])
         assert row["lora_copies_mib"] > 0  # merged weights (fp32) or stacked factors (bf16)
+
+
+def test_decode_compile_times_the_compiled_loop_on_one_reused_cache(bench, monkeypatch, tmp_path):
+    bu, _ = bench
+    decode = importlib.import_module("decode")
+    monkeypatch.setattr(bu, "RESULTS", tmp_path)
+    argv = ["--model", "tiny", "--steps", "3", "--repeats", "1", "--prompt_tokens", "8", "--batch", "2"]
+    result = decode.main([*argv, "--bandwidth_mib", "16", "--threads", "1", "--dtypes", "float32", "--compile"])
+    row = result["dtypes"]["float32"]
+    assert result["work"]["compile"] is True
+    assert math.isfinite(row["loop_compiled_ms"]) and row["loop_compiled_warmup_s"] > 0  # the first call compiles
+
+
+def test_bucketed_loop_reuses_one_cache_per_rounded_length(bench, tiny_model, tiny_tokenizer):
+    decode = importlib.import_module("decode")
+    engine = decode.BucketedLoop(tiny_model, tiny_tokenizer, cache="static", pack_weights=False)
+    settings = GenerationSettings(temperature=1.0, max_new_tokens=5)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    torch.manual_seed(0)
+    first = engine.generate(prompts, settings)
+    engine.generate(prompts, settings, max_new_tokens=2)  # 4 + 2 columns: the same 64-column cache
+    assert list(engine.caches) == [64]
+    torch.manual_seed(0)
+    again = engine.generate(prompts, settings)  # the reused cache was reset: the same rollouts
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
 
 
 def test_rollout_backend_option_reaches_the_worker(bench, tiny_model, tiny_tokenizer):

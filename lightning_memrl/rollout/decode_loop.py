@@ -11,9 +11,10 @@ criteria, mask and cache bookkeeping and output tuples that the loop does not.
   (written in place, no concatenation per step); ``"dynamic"``: the default ``DynamicCache``.
 * ``drop_finished``: a row that has emitted EOS leaves the decode batch (its cache rows too), so it
   costs no more decode work; ``generate`` keeps decoding it on padding until every row is done.
-No ``torch.compile`` option: a compiled decode step (static cache, fixed shapes) measured 68 s of
-warm-up and then 1.9 s per decode step against 0.15 s eager (SmolLM2-135M, fp32, 2 CPU threads,
-``transformers`` 5.24), so it was left out.
+No ``torch.compile`` option: on CPU, inductor cannot lower the oneDNN-packed weights, and a compiled step
+over the plain layers (static cache reused across calls, fixed shapes) is only as fast as the eager step on
+packed weights (SmolLM2-135M, 2 threads: bf16 39.9 vs 38.8 ms, fp32 68.4 vs 68.2 ms) after 27-37 s of
+cold warm-up per shape (``benchmarks/decode.py --compile``).
 
 Sampling is the default engine's: the raw fp32 logits of the last position go through ``transformers``'
 own ``RepetitionPenaltyLogitsProcessor`` (padding columns ignored as ``generate`` does), then, when
