@@ -13,6 +13,7 @@ import inspect
 import re
 import string
 from collections import Counter
+from typing import NamedTuple
 
 from lightning_memrl.types import Trajectory
 
@@ -56,17 +57,32 @@ def sub_exact_match(prediction: str, answers: list[str]) -> float:
 
 def token_f1(prediction: str, answers: list[str]) -> float:
     """Best SQuAD token F1 of the prediction against the gold answers."""
+    return token_scores(prediction, answers).f1
+
+
+class TokenScores(NamedTuple):
+    """SQuAD token overlap of a prediction with one gold answer."""
+
+    f1: float
+    precision: float  # shared tokens / the prediction's tokens
+    recall: float  # shared tokens / the gold answer's tokens
+
+
+def token_scores(prediction: str, answers: list[str]) -> TokenScores:
+    """Token F1, precision and recall against the gold answer with the best F1 (SQuAD normalisation; shared
+    tokens counted with multiplicity). Two sides that both normalise to nothing score 1, one empty side 0."""
     pred_tokens = normalize_answer(prediction).split()
-    best = 0.0
+    best = TokenScores(0.0, 0.0, 0.0)
     for answer in answers:
         gold_tokens = normalize_answer(answer).split()
         if not pred_tokens or not gold_tokens:
-            best = max(best, float(pred_tokens == gold_tokens))
+            same = float(pred_tokens == gold_tokens)
+            best = max(best, TokenScores(same, same, same))
             continue
         common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
         if common:
             precision, recall = common / len(pred_tokens), common / len(gold_tokens)
-            best = max(best, 2 * precision * recall / (precision + recall))
+            best = max(best, TokenScores(2 * precision * recall / (precision + recall), precision, recall))
     return best
 
 

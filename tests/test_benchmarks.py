@@ -129,6 +129,25 @@ def test_bucketed_loop_reuses_one_cache_per_rounded_length(bench, tiny_model, ti
     assert [g.token_ids for g in again] == [g.token_ids for g in first]
 
 
+def test_answer_tokens_splits_f1_into_precision_and_recall(bench, tmp_path, capsys):
+    answer_tokens = importlib.import_module("answer_tokens")
+    rows = [
+        {"answer": "cat sat on mat", "answers": ["a cat on the mat"]},  # P 3/4, R 1, F1 6/7, 4 words
+        {"answer": "cat", "answers": ["cat sat on mat"]},  # P 1, R 1/4, F1 2/5, 1 word
+        {"answer": None, "answers": ["x"]},  # no parsed answer: counted, skipped
+    ]
+    arm = tmp_path / "arm"
+    arm.mkdir()
+    (arm / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = answer_tokens.main([str(arm), "--out", str(tmp_path / "tokens.json")])
+    stats = result["arms"][str(arm)]
+    assert (stats["questions"], stats["skipped"], stats["words"]) == (2, 1, 2.5)
+    assert (stats["precision"], stats["recall"], stats["f1"]) == pytest.approx((7 / 8, 5 / 8, (6 / 7 + 2 / 5) / 2))
+    assert json.loads((tmp_path / "tokens.json").read_text()) == result
+    with pytest.raises(SystemExit, match="no predictions.jsonl in .*missing"):
+        answer_tokens.main([str(tmp_path / "missing")])
+
+
 def test_rollout_backend_option_reaches_the_worker(bench, tiny_model, tiny_tokenizer):
     rollout = importlib.import_module("rollout")
     from lightning_memrl.rollout.decode_loop import DecodeLoopEngine

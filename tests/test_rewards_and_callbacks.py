@@ -22,6 +22,7 @@ from lightning_memrl.rewards import (
     normalize_answer,
     sub_exact_match,
     token_f1,
+    token_scores,
 )
 from lightning_memrl.types import ANSWER_TURN, MEMORY_TURN, Generation, RolloutBatch, Task, Trajectory, Turn
 
@@ -106,6 +107,15 @@ def test_token_f1_takes_max_over_gold_answers() -> None:
     assert token_f1("cat sat", ["dog", "cat"]) == pytest.approx(2 / 3)
     assert token_f1("cat sat", ["dog", "cat", "sat cat"]) == pytest.approx(1.0)
     assert token_f1("cat sat", ["dog"]) == 0.0
+
+
+def test_token_scores_give_precision_and_recall_of_the_best_f1_answer() -> None:
+    # "cat sat on mat" [4 tokens] vs "a cat on the mat" [cat, on, mat]: common 3, P 3/4, R 1, F1 6/7;
+    # vs "mat": common 1, P 1/4, R 1, F1 2/5: the first answer is the best one
+    scores = token_scores("cat sat on mat", ["mat", "a cat on the mat"])
+    assert scores == pytest.approx((6 / 7, 3 / 4, 1.0))
+    assert token_scores("cat", ["cat sat on mat"]) == pytest.approx((2 / 5, 1.0, 1 / 4))
+    assert token_scores("the", ["a"]) == (1.0, 1.0, 1.0) and token_scores("dog", ["cat"]) == (0.0, 0.0, 0.0)
 
 
 def test_token_f1_empty_sides() -> None:
