@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.exit(f"answer_tokens.py: no predictions.jsonl in {', '.join(missing)} (run the arm's evaluation first)")
     arms = {str(arm): arm_stats(arm / "predictions.jsonl") for arm in args.arms}
     table = [
-        [name, s["questions"], *(s.get(k, float("nan")) for k in ("words", "f1", "precision", "recall"))]
+        [name, s["questions"], s["skipped"], *(s.get(k, float("nan")) for k in ("words", "f1", "precision", "recall"))]
         for name, s in arms.items()
     ]
-    print(bu.markdown_table(["arm", "questions", "words", "F1", "precision", "recall"], table))
+    print(bu.markdown_table(["arm", "questions", "skipped (no answer)", "words", "F1", "precision", "recall"], table))
     command = "python benchmarks/answer_tokens.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"command": command, "arms": arms}
     if args.out:

@@ -104,7 +104,7 @@ def test_decode_reports_floor_bare_and_engine_steps_per_dtype(bench, monkeypatch
         assert row["lora_copies_mib"] > 0  # merged weights (fp32) or stacked factors (bf16)
 
 
-def test_decode_compile_times_the_compiled_loop_on_one_reused_cache(bench, monkeypatch, tmp_path):
+def test_decode_compile_reports_the_compiled_step_and_its_warm_up(bench, monkeypatch, tmp_path):
     bu, _ = bench
     decode = importlib.import_module("decode")
     monkeypatch.setattr(bu, "RESULTS", tmp_path)
