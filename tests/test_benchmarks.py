@@ -117,16 +117,20 @@ def test_decode_compile_reports_the_compiled_step_and_its_warm_up(bench, monkeyp
 
 def test_bucketed_loop_reuses_one_cache_per_rounded_length(bench, tiny_model, tiny_tokenizer):
     decode = importlib.import_module("decode")
-    engine = decode.BucketedLoop(tiny_model, tiny_tokenizer, cache="static", pack_weights=False)
+
+    def engine():
+        return decode.BucketedLoop(tiny_model, tiny_tokenizer, cache="static", pack_weights=False)
+
     settings = GenerationSettings(temperature=1.0, max_new_tokens=5)
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    prompts, others = [[5, 6, 7, 8], [9, 10, 11, 12]], [[20, 21, 22, 23], [24, 25, 26, 27]]
+    reused = engine()
+    reused.generate(others, settings, max_new_tokens=2)  # 4 + 2 columns: the 64-column cache, left holding keys
     torch.manual_seed(0)
-    first = engine.generate(prompts, settings)
-    engine.generate(prompts, settings, max_new_tokens=2)  # 4 + 2 columns: the same 64-column cache
-    assert list(engine.caches) == [64]
+    after_others = reused.generate(prompts, settings)  # 4 + 5 columns: the same cache, reset first
+    assert list(reused.caches) == [64]
     torch.manual_seed(0)
-    again = engine.generate(prompts, settings)  # the reused cache was reset: the same rollouts
-    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+    fresh = engine().generate(prompts, settings)
+    assert [g.token_ids for g in after_others] == [g.token_ids for g in fresh]
 
 
 def test_answer_tokens_splits_f1_into_precision_and_recall(bench, tmp_path, capsys):
