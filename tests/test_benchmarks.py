@@ -108,10 +108,19 @@ def test_decode_compile_reports_the_compiled_step_and_its_warm_up(bench, monkeyp
     bu, _ = bench
     decode = importlib.import_module("decode")
     monkeypatch.setattr(bu, "RESULTS", tmp_path)
+    compile_options, compiled_calls, real_compile = [], [], torch.compile
+
+    def spy_compile(fn, **options):  # the step the benchmark times must be the compiled one
+        compile_options.append(options)
+        compiled = real_compile(fn, **options)
+        return lambda *args, **kwargs: compiled_calls.append(1) or compiled(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy_compile)
     argv = ["--model", "tiny", "--steps", "3", "--repeats", "1", "--prompt_tokens", "8", "--batch", "2"]
     result = decode.main([*argv, "--bandwidth_mib", "16", "--threads", "1", "--dtypes", "float32", "--compile"])
     row = result["dtypes"]["float32"]
-    assert result["work"]["compile"] is True
+    assert result["work"]["compile"] is True and compile_options == [{"dynamic": False}]
+    assert len(compiled_calls) == 2 * 3  # warm-up and one repeat of 3 + 1 new tokens: 3 decode steps each
     assert math.isfinite(row["loop_compiled_ms"]) and row["loop_compiled_warmup_s"] > 0  # the first call compiles
 
 
